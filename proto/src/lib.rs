@@ -1,0 +1,46 @@
+//! The Konnectivity wire protocol: generated messages and services, identity
+//! newtypes, and a validated view of packets ([`Frame`]).
+//!
+//! The `.proto` files are in the empty package, exactly as upstream, so the
+//! gRPC paths are `/ProxyService/Proxy` and `/AgentService/Connect`.
+
+#![allow(clippy::large_enum_variant)]
+
+mod frame;
+mod ids;
+
+pub use frame::{Frame, PacketError};
+pub use ids::{ConnectId, DialId};
+
+/// Generated prost messages and tonic services (client and server halves).
+pub mod wire {
+    #![allow(clippy::all, missing_docs)]
+    include!(concat!(env!("OUT_DIR"), "/_.rs"));
+}
+
+pub use wire::{Packet, PacketType};
+
+/// gRPC path of the frontend service that kube-apiserver and tunnel clients use.
+pub const PROXY_PATH: &str = "/ProxyService/Proxy";
+/// gRPC path of the service that agents call on the server.
+pub const AGENT_CONNECT_PATH: &str = "/AgentService/Connect";
+
+/// Metadata keys; lowercase as they travel on the wire.
+pub mod metadata {
+    /// Agent → server: exactly one value, the agent's identity.
+    pub const AGENT_ID: &str = "agentid";
+    /// Agent → server: at most one value, a URL query string of identifiers.
+    pub const AGENT_IDENTIFIERS: &str = "agentidentifiers";
+    /// Server → agent response header: the server's identity.
+    pub const SERVER_ID: &str = "serverid";
+    /// Server → agent response header: how many servers the agent should hold.
+    pub const SERVER_COUNT: &str = "servercount";
+}
+
+/// The largest gRPC message Go peers accept by default; we never send more.
+pub const MAX_GRPC_MESSAGE: usize = 4 * 1024 * 1024;
+
+/// How much one DATA packet carries when we read a socket. Upstream Go peers
+/// send 4 KiB; larger packets cut per-packet overhead and stay far below
+/// [`MAX_GRPC_MESSAGE`].
+pub const DATA_CHUNK: usize = 64 * 1024;
