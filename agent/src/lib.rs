@@ -1,1 +1,148 @@
+//! proxy-agent: holds a stream to the proxy-server and serves its dials.
+//!
+//! Reading order: [`config`] (flags), [`server_conn`] (opening a stream),
+//! [`session`] (serving one stream), [`endpoint`] (the TCP connections
+//! opened for the server), [`health`] and [`metrics`].
 
+pub mod config;
+pub mod endpoint;
+pub mod health;
+pub mod metrics;
+pub mod server_conn;
+pub mod session;
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_plumbing::tls::{self, TlsError};
+use tokio::sync::watch;
+
+use crate::config::Config;
+use crate::health::AgentEndpoints;
+use crate::metrics::AgentMetrics;
+use crate::server_conn::ServerTarget;
+use crate::session::SessionSettings;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("cannot listen on {addr} for the health server (--health-server-port): {source}")]
+    HealthBind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+}
+
+/// Reconnection backoff as upstream's: start at --sync-interval, grow ×1.5
+/// per failure, never beyond --sync-interval-cap.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    initial: Duration,
+    cap: Duration,
+    next: Duration,
+}
+
+impl Backoff {
+    pub fn new(initial: Duration, cap: Duration) -> Self {
+        Backoff {
+            initial,
+            cap,
+            next: initial,
+        }
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        let delay = self.next;
+        self.next = self.next.mul_f64(1.5).min(self.cap);
+        delay
+    }
+
+    pub fn reset(&mut self) {
+        self.next = self.initial;
+    }
+}
+
+/// Runs the agent until the task is dropped. `drain` turning true sends
+/// DRAIN on every server stream, so servers stop choosing this agent.
+pub async fn run(
+    config: Config,
+    drain: watch::Receiver<bool>,
+    draining: Arc<AtomicBool>,
+) -> Result<(), AgentError> {
+    let metrics = Arc::new(AgentMetrics::default());
+    let health = tokio::net::TcpListener::bind(config.health_addr)
+        .await
+        .map_err(|source| AgentError::HealthBind {
+            addr: config.health_addr,
+            source,
+        })?;
+    let endpoints = Arc::new(AgentEndpoints {
+        metrics: metrics.clone(),
+        draining,
+    });
+    let _health = AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
+        health, endpoints,
+    )));
+
+    let alpn: Vec<&[u8]> = config.alpn.iter().map(Vec::as_slice).collect();
+    let tls = tls::client_config(config.ca_cert.as_ref(), config.identity.as_ref(), &alpn)?;
+    let target = ServerTarget {
+        host: config.server_host.clone(),
+        port: config.server_port,
+        tls: Arc::new(tls),
+        agent_id: config.agent_id.clone(),
+        identifiers: config.identifiers.clone(),
+    };
+    let settings = SessionSettings {
+        dial_timeout: config.dial_timeout,
+        xfr_channel_size: config.xfr_channel_size,
+    };
+    tracing::info!(agent_id = %config.agent_id, server = %target.address(), "proxy-agent started");
+
+    let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
+    loop {
+        match target.connect().await {
+            Ok(stream) => {
+                backoff.reset();
+                tracing::info!(server_id = %stream.server_id, server_count = stream.server_count, "connected to proxy-server");
+                let _open = GaugeGuard::new(&metrics.open_server_connections);
+                let reason = session::run(
+                    stream.inbound,
+                    stream.outbound,
+                    settings.clone(),
+                    metrics.clone(),
+                    drain.clone(),
+                )
+                .await;
+                tracing::warn!(server_id = %stream.server_id, %reason, "lost proxy-server stream");
+            }
+            Err(error) => tracing::warn!(%error, "cannot connect to proxy-server"),
+        }
+        tokio::time::sleep(backoff.next_delay()).await;
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_by_half_up_to_the_cap_and_resets() {
+        let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(3));
+        let delays: Vec<_> = (0..5).map(|_| backoff.next_delay().as_millis()).collect();
+        assert_eq!(delays, [1000, 1500, 2250, 3000, 3000]);
+        backoff.reset();
+        assert_eq!(backoff.next_delay(), Duration::from_secs(1));
+    }
+}

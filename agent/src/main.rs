@@ -1,1 +1,47 @@
-fn main() {}
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use clap::Parser;
+use konnectivity_agent::config::{Args, Config};
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let config = match Config::from_args(&args) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("proxy-agent: {error}");
+            std::process::exit(2);
+        }
+    };
+    let log_file = (!args.log_file.is_empty()).then(|| std::path::PathBuf::from(&args.log_file));
+    konnectivity_plumbing::logging::init(args.verbosity, log_file.as_deref())?;
+    tracing::info!(?config, "effective configuration");
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
+        let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
+        let draining = Arc::new(AtomicBool::new(false));
+        let agent = konnectivity_agent::run(config, drain_rx, draining.clone());
+        tokio::pin!(agent);
+        // As upstream: the first signal drains (servers stop choosing this
+        // agent, open connections carry on), the second exits.
+        tokio::select! {
+            result = &mut agent => return result.map_err(anyhow::Error::from),
+            signal = signals.next() => {
+                tracing::info!(signal, "draining; send the signal again to exit");
+                draining.store(true, Ordering::Relaxed);
+                let _ = drain_tx.send(true);
+            }
+        }
+        tokio::select! {
+            result = &mut agent => result.map_err(anyhow::Error::from),
+            signal = signals.next() => {
+                tracing::info!(signal, "exiting");
+                Ok(())
+            }
+        }
+    })
+}

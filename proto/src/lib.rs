@@ -7,9 +7,11 @@
 #![allow(clippy::large_enum_variant)]
 
 mod frame;
+mod identifiers;
 mod ids;
 
 pub use frame::{Frame, PacketError};
+pub use identifiers::{AgentIdentifiers, IdentifiersError};
 pub use ids::{ConnectId, DialId};
 
 /// Generated prost messages and tonic services (client and server halves).

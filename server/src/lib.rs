@@ -1,1 +1,148 @@
+//! proxy-server: serves kube-apiserver's egress through connected agents.
+//!
+//! Reading order: [`config`] (flags), [`agent_service`] (agents connect),
+//! [`backend`] (agent streams and routing), [`tunnel`] (a frontend's dial),
+//! [`frontend`] (HTTP CONNECT and listeners), [`health`] and [`metrics`].
 
+pub mod agent_service;
+pub mod backend;
+pub mod config;
+pub mod frontend;
+pub mod health;
+pub mod metrics;
+pub mod tunnel;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use konnectivity_plumbing::tls::{self, TlsError};
+use konnectivity_proto::wire::agent_service_server::AgentServiceServer;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::agent_service::AgentServer;
+use crate::backend::registry::Registry;
+use crate::config::{Config, FrontendListen, Mode};
+use crate::frontend::{connect, listen};
+use crate::health::ServerEndpoints;
+use crate::metrics::ServerMetrics;
+use crate::tunnel::Dialer;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr} for the {what}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("{0}")]
+    Config(String),
+    #[error("agent gRPC server failed: {0}")]
+    AgentServer(#[from] tonic::transport::Error),
+}
+
+async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Bind {
+            what,
+            addr: addr.to_string(),
+            source,
+        })
+}
+
+/// Runs the server until `shutdown` resolves or a listener fails.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+    let metrics = Arc::new(ServerMetrics::default());
+    let registry = Arc::new(Registry::new(config.strategies.clone(), metrics.clone()));
+
+    let health = bind_tcp("health listener (--health-port)", config.health_addr).await?;
+    let endpoints = Arc::new(ServerEndpoints {
+        registry: registry.clone(),
+        metrics: metrics.clone(),
+    });
+    let health_task = tokio::spawn(konnectivity_plumbing::http::serve(health, endpoints));
+
+    let agent_listener = bind_tcp("agent listener (--agent-port)", config.agent_addr).await?;
+    let agent_tls = tls::server_config(
+        &config.agent_identity,
+        config.agent_client_ca.as_ref(),
+        &[b"h2"],
+    )?;
+    let agent_streams = tls::accept_tls(
+        agent_listener,
+        TlsAcceptor::from(Arc::new(agent_tls)),
+        "agent",
+    );
+    let agent_service = AgentServer::new(
+        registry.clone(),
+        metrics.clone(),
+        &config.server_id,
+        config.server_count,
+    )
+    .map_err(ServeError::Config)?;
+    let agent_server = tonic::transport::Server::builder()
+        // Many tunneled connections share one agent stream: give it room.
+        .initial_stream_window_size(Some(8 * 1024 * 1024))
+        .initial_connection_window_size(Some(16 * 1024 * 1024))
+        .add_service(AgentServiceServer::new(agent_service))
+        .serve_with_incoming(ReceiverStream::new(agent_streams).map(Ok::<_, std::io::Error>));
+
+    let dialer = Dialer {
+        registry,
+        metrics,
+        timeout: config.backend_dial_timeout,
+        channel_size: config.xfr_channel_size,
+    };
+    if config.mode == Mode::Grpc {
+        return Err(ServeError::Config(
+            "--mode grpc is not available yet; use --mode http-connect".to_owned(),
+        ));
+    }
+    let frontend_task = match &config.frontend {
+        FrontendListen::Uds {
+            path,
+            delete_existing,
+        } => {
+            let listener = listen::bind_uds(path, *delete_existing)?;
+            tokio::spawn(listen::accept_uds(listener, move |stream| {
+                connect::serve(stream, dialer.clone())
+            }))
+        }
+        FrontendListen::Tcp {
+            addr,
+            identity,
+            client_ca,
+        } => {
+            let listener = bind_tcp("frontend (--server-port)", *addr).await?;
+            let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"])?;
+            tokio::spawn(listen::accept_tls(listener, Arc::new(tls), move |stream| {
+                connect::serve(stream, dialer.clone())
+            }))
+        }
+    };
+    tracing::info!(
+        server_id = %config.server_id,
+        agent_addr = %config.agent_addr,
+        health_addr = %config.health_addr,
+        frontend = ?config.frontend,
+        "proxy-server started"
+    );
+
+    let result = tokio::select! {
+        () = shutdown => Ok(()),
+        result = agent_server => result.map_err(ServeError::from),
+    };
+    frontend_task.abort();
+    health_task.abort();
+    if let FrontendListen::Uds { path, .. } = &config.frontend {
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}

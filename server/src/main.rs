@@ -1,1 +1,29 @@
-fn main() {}
+use clap::Parser;
+use konnectivity_server::config::{Args, Config};
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let config = match Config::from_args(&args) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("proxy-server: {error}");
+            std::process::exit(2);
+        }
+    };
+    let log_file = (!args.log_file.is_empty()).then(|| std::path::PathBuf::from(&args.log_file));
+    konnectivity_plumbing::logging::init(args.verbosity, log_file.as_deref())?;
+    tracing::info!(?config, "effective configuration");
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
+        let shutdown = async move {
+            let signal = signals.next().await;
+            tracing::info!(signal, "shutting down");
+        };
+        konnectivity_server::run(config, shutdown).await?;
+        Ok(())
+    })
+}

@@ -1,0 +1,196 @@
+//! proxy-agent's flags (upstream names and defaults) and their validation
+//! into one typed [`Config`].
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use clap::{ArgAction, Parser};
+use konnectivity_plumbing::flags::{parse_bool, parse_duration, parse_port};
+use konnectivity_plumbing::tls::{Identity, PemFile};
+use konnectivity_proto::AgentIdentifiers;
+
+/// The Konnectivity proxy agent: dials out to proxy-servers and serves their dials.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "proxy-agent", version, about)]
+pub struct Args {
+    /// Client certificate presented to the server.
+    #[arg(long, default_value = "")]
+    pub agent_cert: String,
+    /// Key of --agent-cert.
+    #[arg(long, default_value = "")]
+    pub agent_key: String,
+    /// CA that the server's certificate must chain to; empty uses the system's roots.
+    #[arg(long, default_value = "")]
+    pub ca_cert: String,
+    /// Host of the proxy-server's agent port.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub proxy_server_host: String,
+    /// The proxy-server's agent port.
+    #[arg(long, default_value_t = 8091)]
+    pub proxy_server_port: u16,
+    /// ALPN protocols offered to the server, comma-separated.
+    #[arg(long, default_value = "h2")]
+    pub alpn_proto: String,
+    /// Bind address of the health listener; empty means all interfaces.
+    #[arg(long, default_value = "")]
+    pub health_server_host: String,
+    /// Port of /healthz, /readyz and /metrics.
+    #[arg(long, value_parser = parse_port, default_value = "8093")]
+    pub health_server_port: u16,
+    /// Port of the admin listener.
+    #[arg(long, value_parser = parse_port, default_value = "8094")]
+    pub admin_server_port: u16,
+    /// This agent's identity (a random UUID when empty).
+    #[arg(long, env = "PROXY_AGENT_ID", default_value = "")]
+    pub agent_id: String,
+    /// What this agent serves, as a query string: host=, ipv4=, ipv6=, cidr=, default-route=.
+    #[arg(long, default_value = "")]
+    pub agent_identifiers: String,
+    /// First wait before reconnecting to a server; grows ×1.5 per failure.
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    pub sync_interval: Duration,
+    /// Longest wait between reconnection attempts.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub sync_interval_cap: Duration,
+    /// Packets buffered per connection towards its endpoint.
+    #[arg(long, default_value_t = 150)]
+    pub xfr_channel_size: usize,
+    /// How long a dial to an endpoint may take.
+    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    pub dial_timeout: Duration,
+    /// Log verbosity, as klog's -v.
+    #[arg(short = 'v', long = "v", default_value_t = 0)]
+    pub verbosity: u32,
+    /// Log to a file instead of standard error.
+    #[arg(long, default_value = "")]
+    pub log_file: String,
+    /// Accepted for klog compatibility; logs go to standard error.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
+    pub logtostderr: bool,
+    /// Accepted for klog compatibility.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub alsologtostderr: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub server_host: String,
+    pub server_port: u16,
+    pub ca_cert: Option<PemFile>,
+    pub identity: Option<Identity>,
+    pub alpn: Vec<Vec<u8>>,
+    pub agent_id: String,
+    pub identifiers: AgentIdentifiers,
+    pub sync_interval: Duration,
+    pub sync_interval_cap: Duration,
+    pub health_addr: SocketAddr,
+    pub xfr_channel_size: usize,
+    pub dial_timeout: Duration,
+}
+
+/// A flag with a bad value, or flags that conflict. Exits with status 2.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid flag --{flag}: {message}")]
+pub struct ConfigError {
+    pub flag: &'static str,
+    pub message: String,
+}
+
+fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        flag,
+        message: message.into(),
+    }
+}
+
+fn pem_file(flag: &'static str, value: &str) -> Result<Option<PemFile>, ConfigError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    if !std::path::Path::new(value).is_file() {
+        return Err(invalid(flag, format!("{value}: no such file")));
+    }
+    Ok(Some(PemFile::new(flag, value)))
+}
+
+impl Config {
+    pub fn from_args(args: &Args) -> Result<Config, ConfigError> {
+        let identity = match (
+            pem_file("agent-cert", &args.agent_cert)?,
+            pem_file("agent-key", &args.agent_key)?,
+        ) {
+            (Some(cert), Some(key)) => Some(Identity { cert, key }),
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(invalid("agent-key", "must be set when --agent-cert is"));
+            }
+            (None, Some(_)) => {
+                return Err(invalid("agent-cert", "must be set when --agent-key is"));
+            }
+        };
+        if args.proxy_server_host.is_empty() {
+            return Err(invalid("proxy-server-host", "must not be empty"));
+        }
+        if args.proxy_server_port == 0 {
+            return Err(invalid("proxy-server-port", "must not be 0"));
+        }
+        if args.sync_interval.is_zero() {
+            return Err(invalid("sync-interval", "must be greater than 0"));
+        }
+        if args.sync_interval > args.sync_interval_cap {
+            return Err(invalid(
+                "sync-interval",
+                format!(
+                    "{:?} is larger than --sync-interval-cap {:?}",
+                    args.sync_interval, args.sync_interval_cap
+                ),
+            ));
+        }
+        if args.xfr_channel_size == 0 {
+            return Err(invalid("xfr-channel-size", "must be greater than 0"));
+        }
+        if args.health_server_port == 0 {
+            return Err(invalid("health-server-port", "must not be 0"));
+        }
+        let identifiers = AgentIdentifiers::parse(&args.agent_identifiers)
+            .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
+        let health_ip = if args.health_server_host.is_empty() {
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        } else {
+            args.health_server_host.parse().map_err(|_| {
+                invalid(
+                    "health-server-host",
+                    format!("{:?} is not an IP address", args.health_server_host),
+                )
+            })?
+        };
+        let alpn = args
+            .alpn_proto
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| p.as_bytes().to_vec())
+            .collect();
+        let agent_id = if args.agent_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            args.agent_id.clone()
+        };
+        Ok(Config {
+            server_host: args.proxy_server_host.clone(),
+            server_port: args.proxy_server_port,
+            ca_cert: pem_file("ca-cert", &args.ca_cert)?,
+            identity,
+            alpn,
+            agent_id,
+            identifiers,
+            sync_interval: args.sync_interval,
+            sync_interval_cap: args.sync_interval_cap,
+            health_addr: SocketAddr::new(health_ip, args.health_server_port),
+            xfr_channel_size: args.xfr_channel_size,
+            dial_timeout: args.dial_timeout,
+        })
+    }
+}

@@ -1,0 +1,147 @@
+//! Endpoints: the TCP connections an agent opens on a server's behalf, and
+//! the two tasks that move their bytes.
+
+use std::io;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use konnectivity_proto::{ConnectId, DATA_CHUNK, Frame, Packet};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::mpsc;
+
+use crate::metrics::{AgentMetrics, DialFailure};
+
+/// A failed dial, with error text in the form Go's dialer writes, so that
+/// servers (ours and upstream's) classify it the same way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DialError(pub String);
+
+/// Dials `address` (`host:port`) within `timeout`.
+pub async fn dial(
+    address: &str,
+    timeout: Duration,
+    metrics: &AgentMetrics,
+) -> Result<TcpStream, DialError> {
+    let started = Instant::now();
+    match tokio::time::timeout(timeout, TcpStream::connect(address)).await {
+        Ok(Ok(stream)) => {
+            metrics
+                .dial_duration
+                .observe(started.elapsed().as_secs_f64());
+            let _ = stream.set_nodelay(true);
+            Ok(stream)
+        }
+        Ok(Err(error)) => {
+            metrics.dial_failed(DialFailure::Unknown);
+            Err(DialError(go_dial_error(address, &error)))
+        }
+        Err(_) => {
+            metrics.dial_failed(DialFailure::Timeout);
+            Err(DialError(format!("dial tcp {address}: i/o timeout")))
+        }
+    }
+}
+
+fn go_dial_error(address: &str, error: &io::Error) -> String {
+    let cause = match error.kind() {
+        io::ErrorKind::ConnectionRefused => "connect: connection refused".to_owned(),
+        io::ErrorKind::ConnectionReset => "connect: connection reset by peer".to_owned(),
+        io::ErrorKind::HostUnreachable => "connect: no route to host".to_owned(),
+        io::ErrorKind::NetworkUnreachable => "connect: network is unreachable".to_owned(),
+        io::ErrorKind::TimedOut => "i/o timeout".to_owned(),
+        _ if error.raw_os_error() == Some(24) => "socket: too many open files".to_owned(),
+        _ => error.to_string(),
+    };
+    format!("dial tcp {address}: {cause}")
+}
+
+/// What an endpoint's tasks report to their session.
+#[derive(Debug)]
+pub struct EndpointClosed {
+    pub connect_id: ConnectId,
+    pub error: Option<String>,
+}
+
+/// Reads from the endpoint and sends DATA to the server until the endpoint
+/// closes; then reports the close so the session answers with CLOSE_RSP.
+pub async fn pump_from_endpoint(
+    mut read: OwnedReadHalf,
+    connect_id: ConnectId,
+    outbound: mpsc::Sender<Packet>,
+    closed: mpsc::Sender<EndpointClosed>,
+) {
+    let mut buf = BytesMut::new();
+    let error = loop {
+        buf.reserve(DATA_CHUNK);
+        match read.read_buf(&mut buf).await {
+            Ok(0) => break None,
+            Ok(_) => {
+                let data = buf.split().freeze();
+                if outbound
+                    .send(Frame::Data { connect_id, data }.into())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            Err(error) => break Some(error.to_string()),
+        }
+    };
+    let _ = closed.send(EndpointClosed { connect_id, error }).await;
+}
+
+/// Writes what the server sends to the endpoint. Ends when the session drops
+/// the sender (CLOSE_REQ, or the stream ended) after writing what was queued.
+pub async fn pump_to_endpoint(
+    mut write: OwnedWriteHalf,
+    mut data: mpsc::Receiver<Bytes>,
+    connect_id: ConnectId,
+    closed: mpsc::Sender<EndpointClosed>,
+) {
+    while let Some(chunk) = data.recv().await {
+        if let Err(error) = write.write_all(&chunk).await {
+            let _ = closed
+                .send(EndpointClosed {
+                    connect_id,
+                    error: Some(error.to_string()),
+                })
+                .await;
+            return;
+        }
+    }
+    let _ = write.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_read_like_go_dialer_errors() {
+        let refused = io::Error::from(io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            go_dial_error("127.0.0.1:1", &refused),
+            "dial tcp 127.0.0.1:1: connect: connection refused"
+        );
+        let emfile = io::Error::from_raw_os_error(24);
+        assert!(go_dial_error("a:1", &emfile).contains("too many open files"));
+    }
+
+    #[tokio::test]
+    async fn refused_dial_reports_go_text_and_counts() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        drop(listener);
+        let metrics = AgentMetrics::default();
+        let error = dial(&address, Duration::from_secs(5), &metrics)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            error.0,
+            format!("dial tcp {address}: connect: connection refused")
+        );
+    }
+}

@@ -1,0 +1,42 @@
+//! The agent's health listener: `/healthz`, `/readyz`, `/metrics`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use http::StatusCode;
+use konnectivity_plumbing::http::{Endpoints, Reply};
+use konnectivity_plumbing::metrics;
+
+use crate::metrics::AgentMetrics;
+
+pub struct AgentEndpoints {
+    pub metrics: Arc<AgentMetrics>,
+    pub draining: Arc<AtomicBool>,
+}
+
+impl Endpoints for AgentEndpoints {
+    fn reply(&self, path: &str) -> Reply {
+        match path {
+            "/healthz" => Reply::text(StatusCode::OK, "ok"),
+            // Upstream answers "not ready" with 503.
+            "/readyz" => {
+                if self.draining.load(Ordering::Relaxed) {
+                    Reply::text(StatusCode::SERVICE_UNAVAILABLE, "not ready: draining\n")
+                } else if self.metrics.open_server_connections.get() == 0 {
+                    Reply::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "not ready: no connection to any proxy-server\n",
+                    )
+                } else {
+                    Reply::text(StatusCode::OK, "ok")
+                }
+            }
+            "/metrics" => Reply {
+                status: StatusCode::OK,
+                content_type: metrics::CONTENT_TYPE,
+                body: metrics::encode(&self.metrics.registry),
+            },
+            _ => Reply::not_found(),
+        }
+    }
+}

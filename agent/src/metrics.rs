@@ -1,0 +1,79 @@
+//! The agent's Prometheus metrics, under upstream's names
+//! (`konnectivity_network_proxy_agent_*`).
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
+
+/// Upstream's reasons for `endpoint_dial_failure_total`.
+#[derive(Clone, Copy, Debug)]
+pub enum DialFailure {
+    Timeout,
+    Unknown,
+}
+
+#[derive(Debug)]
+pub struct AgentMetrics {
+    pub registry: Registry,
+    pub open_server_connections: Gauge,
+    pub open_endpoint_connections: Gauge,
+    pub dial_duration: Histogram,
+    dial_failures: Family<Labels, Counter>,
+}
+
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("konnectivity_network_proxy_agent");
+        let open_server_connections = Gauge::default();
+        let open_endpoint_connections = Gauge::default();
+        let dial_duration = Histogram::new(LATENCY_BUCKETS);
+        let dial_failures = Family::<Labels, Counter>::default();
+        registry.register(
+            "open_server_connections",
+            "Current number of open connections to proxy-servers",
+            open_server_connections.clone(),
+        );
+        registry.register(
+            "open_endpoint_connections",
+            "Current number of open connections to endpoints",
+            open_endpoint_connections.clone(),
+        );
+        registry.register(
+            "dial_duration_seconds",
+            "Latency of dials to endpoints in seconds",
+            dial_duration.clone(),
+        );
+        // prometheus-client appends `_total`, giving upstream's
+        // `endpoint_dial_failure_total`.
+        registry.register(
+            "endpoint_dial_failure",
+            "Number of failed dials to endpoints, by reason",
+            dial_failures.clone(),
+        );
+        AgentMetrics {
+            registry,
+            open_server_connections,
+            open_endpoint_connections,
+            dial_duration,
+            dial_failures,
+        }
+    }
+}
+
+impl AgentMetrics {
+    pub fn dial_failed(&self, reason: DialFailure) {
+        let reason = match reason {
+            DialFailure::Timeout => "timeout",
+            DialFailure::Unknown => "unknown",
+        };
+        self.dial_failures
+            .get_or_create(&vec![("reason", reason)])
+            .inc();
+    }
+}

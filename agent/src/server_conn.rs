@@ -1,0 +1,170 @@
+//! Opening one AgentService stream to a proxy-server: TCP, TLS (mTLS when
+//! the agent has a certificate), HTTP/2, then the `Connect` call with our
+//! identity in metadata and a bounded wait for the server's headers.
+
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
+use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
+use konnectivity_proto::{AgentIdentifiers, Packet};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_rustls::TlsConnector;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Endpoint, Uri};
+use tonic::{Request, Streaming};
+
+/// How long to wait for TCP + TLS + HTTP/2 set-up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long to wait for the server's response headers. Upstream agents wait
+/// forever; a server that accepts but never answers must not wedge us.
+const HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
+/// Packets queued towards the server on one stream.
+const OUTBOUND_QUEUE: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("connecting to proxy-server {address}: {source}")]
+    Transport {
+        address: String,
+        source: tonic::transport::Error,
+    },
+    #[error("proxy-server {address} refused the agent stream: {status}")]
+    Refused {
+        address: String,
+        status: tonic::Status,
+    },
+    #[error("proxy-server {address} sent no response headers within {HEADERS_TIMEOUT:?}")]
+    HeadersTimeout { address: String },
+    #[error("proxy-server {address} sent bad {key:?} metadata: {problem}")]
+    BadMetadata {
+        address: String,
+        key: &'static str,
+        problem: String,
+    },
+    #[error("invalid {what} for metadata: {value:?}")]
+    BadOwnMetadata { what: &'static str, value: String },
+}
+
+/// Where and how to reach the server.
+#[derive(Clone)]
+pub struct ServerTarget {
+    pub host: String,
+    pub port: u16,
+    pub tls: Arc<rustls::ClientConfig>,
+    pub agent_id: String,
+    pub identifiers: AgentIdentifiers,
+}
+
+/// An open AgentService stream.
+pub struct ServerStream {
+    pub server_id: String,
+    pub server_count: u32,
+    pub inbound: Streaming<Packet>,
+    pub outbound: mpsc::Sender<Packet>,
+}
+
+impl ServerTarget {
+    pub fn address(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+
+    pub async fn connect(&self) -> Result<ServerStream, ConnectError> {
+        let address = self.address();
+        let host = self.host.clone();
+        let port = self.port;
+        let connector = TlsConnector::from(self.tls.clone());
+        // The URI only fills :authority; the connector below does the dialing.
+        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|source| ConnectError::Transport {
+                address: address.clone(),
+                source,
+            })?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .initial_stream_window_size(Some(8 * 1024 * 1024))
+            .initial_connection_window_size(Some(16 * 1024 * 1024));
+        let channel = endpoint
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let host = host.clone();
+                let connector = connector.clone();
+                async move {
+                    let name = konnectivity_plumbing::tls::server_name(&host)?;
+                    let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
+                    tcp.set_nodelay(true)?;
+                    let tls = connector.connect(name, tcp).await?;
+                    Ok::<_, io::Error>(TokioIo::new(tls))
+                }
+            }))
+            .await
+            .map_err(|source| ConnectError::Transport {
+                address: address.clone(),
+                source,
+            })?;
+
+        let (outbound, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let mut request = Request::new(ReceiverStream::new(outbound_rx));
+        let metadata = request.metadata_mut();
+        metadata.insert(
+            AGENT_ID,
+            self.agent_id
+                .parse()
+                .map_err(|_| ConnectError::BadOwnMetadata {
+                    what: "--agent-id",
+                    value: self.agent_id.clone(),
+                })?,
+        );
+        if !self.identifiers.is_empty() {
+            let text = self.identifiers.to_string();
+            metadata.insert(
+                AGENT_IDENTIFIERS,
+                text.parse().map_err(|_| ConnectError::BadOwnMetadata {
+                    what: "--agent-identifiers",
+                    value: text.clone(),
+                })?,
+            );
+        }
+        let mut client = AgentServiceClient::new(channel);
+        let response = tokio::time::timeout(HEADERS_TIMEOUT, client.connect(request))
+            .await
+            .map_err(|_| ConnectError::HeadersTimeout {
+                address: address.clone(),
+            })?
+            .map_err(|status| ConnectError::Refused {
+                address: address.clone(),
+                status,
+            })?;
+        let bad = |key, problem: &str| ConnectError::BadMetadata {
+            address: address.clone(),
+            key,
+            problem: problem.to_owned(),
+        };
+        let server_id = response
+            .metadata()
+            .get(SERVER_ID)
+            .ok_or_else(|| bad(SERVER_ID, "missing"))?
+            .to_str()
+            .map_err(|_| bad(SERVER_ID, "not ASCII"))?
+            .to_owned();
+        let server_count = match response.metadata().get(SERVER_COUNT) {
+            None => 1,
+            Some(value) => value
+                .to_str()
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| bad(SERVER_COUNT, "not a number"))?,
+        };
+        Ok(ServerStream {
+            server_id,
+            server_count,
+            inbound: response.into_inner(),
+            outbound,
+        })
+    }
+}

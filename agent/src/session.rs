@@ -1,0 +1,269 @@
+//! One server stream's session: serves the server's DIAL_REQ, DATA,
+//! CLOSE_REQ and DIAL_CLS, owning the stream's connection table.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use tokio::task::AbortHandle;
+
+use crate::endpoint::{self, DialError, EndpointClosed};
+use crate::metrics::AgentMetrics;
+
+/// Settings a session needs from the agent's configuration.
+#[derive(Clone, Debug)]
+pub struct SessionSettings {
+    pub dial_timeout: Duration,
+    pub xfr_channel_size: usize,
+}
+
+struct Endpoint {
+    to_endpoint: mpsc::Sender<Bytes>,
+    reader: AbortHandle,
+    _gauge: GaugeGuard,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        // The writer task ends once `to_endpoint` is dropped, after flushing
+        // what was queued; the reader must be stopped explicitly.
+        self.reader.abort();
+    }
+}
+
+struct Dialed {
+    dial_id: DialId,
+    result: Result<TcpStream, DialError>,
+}
+
+struct Session {
+    settings: SessionSettings,
+    metrics: Arc<AgentMetrics>,
+    outbound: mpsc::Sender<Packet>,
+    next_connect_id: ConnectId,
+    dials: HashMap<DialId, AbortHandle>,
+    endpoints: HashMap<ConnectId, Endpoint>,
+    dialed_tx: mpsc::Sender<Dialed>,
+    closed_tx: mpsc::Sender<EndpointClosed>,
+}
+
+/// The outbound queue to the server is gone: the stream has ended.
+struct StreamGone;
+
+/// Serves one server stream until it ends. Dropping the session closes every
+/// endpoint connection on it and abandons its pending dials.
+pub async fn run<S>(
+    mut inbound: S,
+    outbound: mpsc::Sender<Packet>,
+    settings: SessionSettings,
+    metrics: Arc<AgentMetrics>,
+    mut drain: watch::Receiver<bool>,
+) -> String
+where
+    S: futures_util::Stream<Item = Result<Packet, tonic::Status>> + Unpin,
+{
+    use futures_util::StreamExt;
+
+    let (dialed_tx, mut dialed_rx) = mpsc::channel(64);
+    let (closed_tx, mut closed_rx) = mpsc::channel(64);
+    let mut session = Session {
+        settings,
+        metrics,
+        outbound,
+        next_connect_id: ConnectId::FIRST,
+        dials: HashMap::new(),
+        endpoints: HashMap::new(),
+        dialed_tx,
+        closed_tx,
+    };
+    let mut drained = false;
+    if *drain.borrow_and_update() && session.send(Frame::Drain).await.is_ok() {
+        drained = true;
+    }
+    let reason = loop {
+        let step = tokio::select! {
+            Some(dialed) = dialed_rx.recv() => session.on_dialed(dialed).await,
+            Some(closed) = closed_rx.recv() => session.on_endpoint_closed(closed).await,
+            Ok(()) = drain.changed(), if !drained => {
+                drained = true;
+                session.send(Frame::Drain).await
+            }
+            packet = inbound.next() => match packet {
+                Some(Ok(packet)) => session.on_packet(packet).await,
+                Some(Err(status)) => break format!("stream error: {status}"),
+                None => break "server closed the stream".to_owned(),
+            },
+        };
+        if step.is_err() {
+            break "outbound queue closed".to_owned();
+        }
+    };
+    for (_, dial) in session.dials.drain() {
+        dial.abort();
+    }
+    reason
+}
+
+impl Session {
+    async fn send(&self, frame: Frame) -> Result<(), StreamGone> {
+        self.outbound
+            .send(frame.into())
+            .await
+            .map_err(|_| StreamGone)
+    }
+
+    async fn on_packet(&mut self, packet: Packet) -> Result<(), StreamGone> {
+        let frame = match Frame::try_from(packet) {
+            Ok(frame) => frame,
+            Err(error) => {
+                tracing::warn!(%error, "invalid packet from server");
+                return Ok(());
+            }
+        };
+        match frame {
+            Frame::Data { connect_id, data } => match self.endpoints.get(&connect_id) {
+                Some(endpoint) => {
+                    // A failed send means the writer already reported the
+                    // endpoint closed; that report answers the server.
+                    let _ = endpoint.to_endpoint.send(data).await;
+                }
+                None => {
+                    self.send(Frame::CloseResponse {
+                        connect_id,
+                        error: Some(format!("unknown connectID {connect_id}")),
+                    })
+                    .await?
+                }
+            },
+            Frame::DialRequest {
+                protocol,
+                address,
+                dial_id,
+            } => self.on_dial_request(protocol, address, dial_id).await?,
+            Frame::CloseRequest { connect_id } => {
+                let error = match self.endpoints.remove(&connect_id) {
+                    Some(_) => None,
+                    None => Some(format!("unknown connectID {connect_id}")),
+                };
+                self.send(Frame::CloseResponse { connect_id, error })
+                    .await?;
+            }
+            Frame::CloseDial { dial_id } => {
+                if let Some(dial) = self.dials.remove(&dial_id) {
+                    dial.abort();
+                }
+            }
+            unexpected => {
+                tracing::warn!(kind = ?unexpected.kind(), "unexpected packet from server");
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_dial_request(
+        &mut self,
+        protocol: String,
+        address: String,
+        dial_id: DialId,
+    ) -> Result<(), StreamGone> {
+        if protocol != "tcp" {
+            return self
+                .send(Frame::DialResponse {
+                    dial_id,
+                    result: Err(format!(
+                        "unsupported protocol {protocol:?}: only \"tcp\" is served"
+                    )),
+                })
+                .await;
+        }
+        if self.dials.contains_key(&dial_id) {
+            return self
+                .send(Frame::DialResponse {
+                    dial_id,
+                    result: Err(format!("dial id {dial_id} is already pending")),
+                })
+                .await;
+        }
+        // Dial on its own task: the receive loop never waits for a dial.
+        let timeout = self.settings.dial_timeout;
+        let metrics = self.metrics.clone();
+        let dialed = self.dialed_tx.clone();
+        let task = tokio::spawn(async move {
+            let result = endpoint::dial(&address, timeout, &metrics).await;
+            let _ = dialed.send(Dialed { dial_id, result }).await;
+        });
+        self.dials.insert(dial_id, task.abort_handle());
+        Ok(())
+    }
+
+    async fn on_dialed(&mut self, dialed: Dialed) -> Result<(), StreamGone> {
+        if self.dials.remove(&dialed.dial_id).is_none() {
+            // Cancelled by DIAL_CLS while connecting: dropping the stream closes it.
+            return Ok(());
+        }
+        let stream = match dialed.result {
+            Ok(stream) => stream,
+            Err(DialError(error)) => {
+                return self
+                    .send(Frame::DialResponse {
+                        dial_id: dialed.dial_id,
+                        result: Err(error),
+                    })
+                    .await;
+            }
+        };
+        let connect_id = self.next_connect_id;
+        self.next_connect_id = connect_id.next();
+        // DIAL_RSP goes out before the reader can queue any DATA.
+        self.send(Frame::DialResponse {
+            dial_id: dialed.dial_id,
+            result: Ok(connect_id),
+        })
+        .await?;
+        let (read, write) = stream.into_split();
+        let (to_endpoint, from_server) = mpsc::channel(self.settings.xfr_channel_size);
+        tokio::spawn(endpoint::pump_to_endpoint(
+            write,
+            from_server,
+            connect_id,
+            self.closed_tx.clone(),
+        ));
+        let reader = tokio::spawn(endpoint::pump_from_endpoint(
+            read,
+            connect_id,
+            self.outbound.clone(),
+            self.closed_tx.clone(),
+        ));
+        self.endpoints.insert(
+            connect_id,
+            Endpoint {
+                to_endpoint,
+                reader: reader.abort_handle(),
+                _gauge: GaugeGuard::new(&self.metrics.open_endpoint_connections),
+            },
+        );
+        Ok(())
+    }
+
+    async fn on_endpoint_closed(&mut self, closed: EndpointClosed) -> Result<(), StreamGone> {
+        // Only the first report counts; after a CLOSE_REQ the server needs none.
+        if self.endpoints.remove(&closed.connect_id).is_some() {
+            if let Some(error) = &closed.error {
+                tracing::debug!(connect_id = %closed.connect_id, %error, "endpoint connection failed");
+            }
+            // Upstream servers treat any CLOSE_RSP as the end of the
+            // connection; an error here would only be logged.
+            self.send(Frame::CloseResponse {
+                connect_id: closed.connect_id,
+                error: None,
+            })
+            .await?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,103 @@
+//! Flag values in the forms Go's `flag`/`pflag` packages accept, so upstream
+//! manifests keep working unchanged: durations like `1h0m0s`, booleans as
+//! `true`/`false`, and ports within the range upstream allows.
+
+use std::time::Duration;
+
+/// Parses a Go duration: a sequence of decimal numbers with units
+/// (`ns`, `us`, `µs`, `ms`, `s`, `m`, `h`), e.g. `300ms`, `1.5s`, `1h0m0s`, or a bare `0`.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let invalid =
+        || format!("invalid duration {text:?} (expected Go form such as 100ms, 1s or 1h0m0s)");
+    if text == "0" {
+        return Ok(Duration::ZERO);
+    }
+    let mut rest = text.strip_prefix('+').unwrap_or(text);
+    if rest.is_empty() || rest.starts_with('-') {
+        return Err(invalid());
+    }
+    let mut total = 0f64;
+    while !rest.is_empty() {
+        let number_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(invalid)?;
+        let number: f64 = rest[..number_len].parse().map_err(|_| invalid())?;
+        rest = &rest[number_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let seconds_per_unit = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" | "μs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(invalid()),
+        };
+        total += number * seconds_per_unit;
+        rest = &rest[unit_len..];
+    }
+    Duration::try_from_secs_f64(total).map_err(|_| invalid())
+}
+
+/// Parses a Go boolean flag value (`strconv.ParseBool`).
+pub fn parse_bool(text: &str) -> Result<bool, String> {
+    match text {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Ok(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Ok(false),
+        _ => Err(format!("invalid boolean {text:?} (expected true or false)")),
+    }
+}
+
+/// Upstream refuses ports in the ephemeral range and the privileged range,
+/// where a listener would clash with outgoing connections or need root.
+pub fn parse_port(text: &str) -> Result<u16, String> {
+    let port: u16 = text.parse().map_err(|_| format!("invalid port {text:?}"))?;
+    if !(1024..=49151).contains(&port) && port != 0 {
+        return Err(format!("port {port} is outside 1024-49151"));
+    }
+    Ok(port)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations() {
+        let ms = Duration::from_millis;
+        for (text, expected) in [
+            ("0", Duration::ZERO),
+            ("0s", Duration::ZERO),
+            ("100ms", ms(100)),
+            ("1s", ms(1000)),
+            ("1.5s", ms(1500)),
+            ("1h0m0s", Duration::from_secs(3600)),
+            ("2m30s", Duration::from_secs(150)),
+            ("10us", Duration::from_micros(10)),
+            ("5ns", Duration::from_nanos(5)),
+        ] {
+            assert_eq!(parse_duration(text), Ok(expected), "{text}");
+        }
+        for bad in ["", "1", "s", "1x", "-1s", "1.2.3s"] {
+            assert!(parse_duration(bad).is_err(), "{bad} should fail");
+        }
+    }
+
+    #[test]
+    fn go_booleans() {
+        assert_eq!(parse_bool("true"), Ok(true));
+        assert_eq!(parse_bool("F"), Ok(false));
+        assert!(parse_bool("yes").is_err());
+    }
+
+    #[test]
+    fn ports_outside_upstream_range_are_refused() {
+        assert_eq!(parse_port("8090"), Ok(8090));
+        assert_eq!(parse_port("0"), Ok(0));
+        assert!(parse_port("80").unwrap_err().contains("1024-49151"));
+        assert!(parse_port("50000").is_err());
+        assert!(parse_port("x").is_err());
+    }
+}

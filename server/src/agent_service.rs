@@ -1,0 +1,139 @@
+//! The AgentService endpoint: authenticates an agent stream's metadata,
+//! answers with `serverid`/`servercount` at once, and hands the stream to
+//! its session task.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use futures_util::{Stream, StreamExt};
+use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
+use konnectivity_proto::wire::agent_service_server::AgentService;
+use konnectivity_proto::{AgentIdentifiers, Packet};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::{AsciiMetadataValue, MetadataMap};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::backend::registry::Registry;
+use crate::backend::{Backend, BackendId, session};
+use crate::metrics::ServerMetrics;
+
+/// Packets queued towards one agent; bounds memory per agent stream
+/// (at most this many DATA packets of up to 64 KiB each).
+const OUTBOUND_QUEUE: usize = 256;
+/// Commands queued to one session task.
+const COMMAND_QUEUE: usize = 1024;
+
+pub struct AgentServer {
+    registry: Arc<Registry>,
+    metrics: Arc<ServerMetrics>,
+    server_id: AsciiMetadataValue,
+    server_count: AsciiMetadataValue,
+    next_backend: AtomicU64,
+}
+
+impl AgentServer {
+    pub fn new(
+        registry: Arc<Registry>,
+        metrics: Arc<ServerMetrics>,
+        server_id: &str,
+        server_count: u32,
+    ) -> Result<Self, String> {
+        Ok(AgentServer {
+            registry,
+            metrics,
+            server_id: server_id
+                .parse()
+                .map_err(|_| format!("--server-id {server_id:?} is not printable ASCII"))?,
+            server_count: server_count.to_string().parse().expect("digits are ASCII"),
+            next_backend: AtomicU64::new(1),
+        })
+    }
+}
+
+/// The one value of a metadata key that must appear exactly once.
+fn exactly_one<'a>(metadata: &'a MetadataMap, key: &str) -> Result<&'a str, Status> {
+    let mut values = metadata.get_all(key).iter();
+    match (values.next(), values.next()) {
+        (Some(value), None) => value
+            .to_str()
+            .map_err(|_| Status::invalid_argument(format!("metadata {key:?} is not ASCII"))),
+        (None, _) => Err(Status::invalid_argument(format!(
+            "missing metadata {key:?}: an agent must send exactly one"
+        ))),
+        (Some(_), Some(_)) => Err(Status::invalid_argument(format!(
+            "metadata {key:?} given more than once: an agent must send exactly one"
+        ))),
+    }
+}
+
+fn identifiers(metadata: &MetadataMap) -> Result<AgentIdentifiers, Status> {
+    let mut values = metadata.get_all(AGENT_IDENTIFIERS).iter();
+    let Some(value) = values.next() else {
+        return Ok(AgentIdentifiers::default());
+    };
+    if values.next().is_some() {
+        return Err(Status::invalid_argument(format!(
+            "metadata {AGENT_IDENTIFIERS:?} given more than once"
+        )));
+    }
+    let text = value.to_str().map_err(|_| {
+        Status::invalid_argument(format!("metadata {AGENT_IDENTIFIERS:?} is not ASCII"))
+    })?;
+    AgentIdentifiers::parse_lenient(text)
+        .map_err(|e| Status::invalid_argument(format!("metadata {AGENT_IDENTIFIERS:?}: {e}")))
+}
+
+#[tonic::async_trait]
+impl AgentService for AgentServer {
+    type ConnectStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+
+    async fn connect(
+        &self,
+        request: Request<Streaming<Packet>>,
+    ) -> Result<Response<Self::ConnectStream>, Status> {
+        let agent_id = exactly_one(request.metadata(), AGENT_ID)?.to_owned();
+        let identifiers = identifiers(request.metadata())?;
+        let (outbound_tx, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let (commands_tx, commands_rx) = mpsc::channel(COMMAND_QUEUE);
+        let backend = Arc::new(Backend::new(
+            BackendId(self.next_backend.fetch_add(1, Ordering::Relaxed)),
+            agent_id,
+            identifiers,
+            outbound_tx,
+            commands_tx,
+            self.metrics.clone(),
+        ));
+        tracing::info!(agent_id = %backend.agent_id, identifiers = %backend.identifiers, "agent connected");
+        self.registry.add(backend.clone());
+
+        let open = GaugeGuard::new(&self.metrics.grpc_connections("Connect"));
+        let registry = self.registry.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let _open = open;
+            session::run(
+                backend,
+                request.into_inner(),
+                commands_rx,
+                registry,
+                metrics,
+            )
+            .await;
+        });
+
+        // Returning the response sends its headers at once: upstream agents
+        // wait for `serverid` before anything else, with no timeout.
+        let packets = ReceiverStream::new(outbound_rx).map(Ok);
+        let mut response = Response::new(Box::pin(packets) as Self::ConnectStream);
+        response
+            .metadata_mut()
+            .insert(SERVER_ID, self.server_id.clone());
+        response
+            .metadata_mut()
+            .insert(SERVER_COUNT, self.server_count.clone());
+        Ok(response)
+    }
+}

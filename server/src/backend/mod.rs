@@ -1,0 +1,130 @@
+//! Backends: the agent streams connected to this server.
+//!
+//! Each agent stream is served by one session task ([`session`]) that owns
+//! its pending dials and its connection table; frontends talk to it through
+//! a bounded command channel and get [`Event`]s back on a per-connection
+//! bounded channel. DATA from a frontend goes straight onto the agent's
+//! outbound queue, without a hop through the session task.
+
+pub mod registry;
+pub mod session;
+pub mod strategy;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, Frame, Packet};
+use tokio::sync::mpsc;
+
+use crate::metrics::{Segment, ServerMetrics};
+
+/// Identifies one agent stream on this server (an agent may hold several).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackendId(pub u64);
+
+/// One connected agent stream, as frontends see it.
+#[derive(Debug)]
+pub struct Backend {
+    pub id: BackendId,
+    pub agent_id: String,
+    pub identifiers: AgentIdentifiers,
+    /// Packets to the agent, in order; the gRPC response stream drains it.
+    outbound: mpsc::Sender<Packet>,
+    /// Requests to this stream's session task.
+    commands: mpsc::Sender<Command>,
+    draining: AtomicBool,
+    metrics: Arc<ServerMetrics>,
+}
+
+/// What a frontend asks of a backend's session.
+#[derive(Debug)]
+pub enum Command {
+    /// Register a dial and send DIAL_REQ; the answer arrives on `events`.
+    Dial {
+        dial_id: DialId,
+        address: String,
+        events: mpsc::Sender<Event>,
+    },
+    /// The frontend gave up on a dial it started (DIAL_CLS to the agent).
+    CancelDial { dial_id: DialId },
+    /// The frontend's side of a connection is gone (CLOSE_REQ to the agent).
+    Close { connect_id: ConnectId },
+}
+
+/// What a backend's session tells the frontend of one connection.
+#[derive(Debug)]
+pub enum Event {
+    Dialed(Result<ConnectId, String>),
+    Data(Bytes),
+    /// The connection ended; `Some` carries why, when it was not a clean close.
+    Closed(Option<String>),
+}
+
+/// The error text frontends see when an agent stream goes away.
+pub const AGENT_DISCONNECTED: &str = "agent disconnected";
+
+/// The agent's outbound queue is gone: its stream has ended.
+#[derive(Debug, Clone, Copy, thiserror::Error)]
+#[error("{AGENT_DISCONNECTED}")]
+pub struct BackendGone;
+
+impl Backend {
+    pub fn new(
+        id: BackendId,
+        agent_id: String,
+        identifiers: AgentIdentifiers,
+        outbound: mpsc::Sender<Packet>,
+        commands: mpsc::Sender<Command>,
+        metrics: Arc<ServerMetrics>,
+    ) -> Self {
+        Backend {
+            id,
+            agent_id,
+            identifiers,
+            outbound,
+            commands,
+            draining: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Queues a frame for the agent, waiting while the queue is full.
+    pub async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
+        self.metrics.packet(Segment::ToAgent, frame.kind());
+        self.outbound
+            .send(frame.into())
+            .await
+            .map_err(|_| BackendGone)
+    }
+
+    pub async fn command(&self, command: Command) -> Result<(), BackendGone> {
+        self.commands.send(command).await.map_err(|_| BackendGone)
+    }
+
+    /// For `Drop` paths, which cannot await: queue now if there is room,
+    /// otherwise hand the command to a task so it is never lost.
+    pub fn command_from_drop(&self, command: Command) {
+        match self.commands.try_send(command) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(command)) => {
+                let commands = self.commands.clone();
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        let _ = commands.send(command).await;
+                    });
+                }
+            }
+            // The session has ended and already released everything.
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
+    }
+}

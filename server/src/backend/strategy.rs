@@ -1,0 +1,166 @@
+//! Backend selection strategies (`--proxy-strategies`), as upstream defines
+//! them. Strategies are tried in the order given; one that finds no backend
+//! hands over to the next.
+
+use std::sync::Arc;
+
+use rand::seq::IndexedRandom;
+
+use super::Backend;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// Any agent.
+    Default,
+    /// An agent whose `host=`, `ipv4=` or `ipv6=` identifier equals the dial host.
+    DestHost,
+    /// An agent that announced `default-route=true`.
+    DefaultRoute,
+}
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Default => "default",
+            Strategy::DestHost => "destHost",
+            Strategy::DefaultRoute => "defaultRoute",
+        }
+    }
+
+    fn admits(self, backend: &Backend, host: &str) -> bool {
+        match self {
+            Strategy::Default => true,
+            Strategy::DestHost => backend.identifiers.matches_host(host),
+            Strategy::DefaultRoute => backend.identifiers.default_route,
+        }
+    }
+}
+
+/// Parses the comma-separated flag value; unknown or repeated names are errors.
+pub fn parse_strategies(text: &str) -> Result<Vec<Strategy>, String> {
+    let mut strategies = Vec::new();
+    for name in text.split(',').map(str::trim) {
+        let strategy = match name {
+            "default" => Strategy::Default,
+            "destHost" => Strategy::DestHost,
+            "defaultRoute" => Strategy::DefaultRoute,
+            "" => return Err(format!("{text:?} has an empty strategy name")),
+            other => {
+                return Err(format!(
+                    "unknown proxy strategy {other:?} (known: default, destHost, defaultRoute)"
+                ));
+            }
+        };
+        if strategies.contains(&strategy) {
+            return Err(format!("proxy strategy {name:?} is listed twice"));
+        }
+        strategies.push(strategy);
+    }
+    Ok(strategies)
+}
+
+/// Picks a backend for a dial to `host`: within the first strategy that has
+/// candidates, a random one that is not draining, or a draining one when
+/// all candidates drain (so a draining fleet still serves).
+pub fn select(
+    strategies: &[Strategy],
+    backends: &[Arc<Backend>],
+    host: &str,
+) -> Option<Arc<Backend>> {
+    let mut rng = rand::rng();
+    for strategy in strategies {
+        let candidates: Vec<&Arc<Backend>> = backends
+            .iter()
+            .filter(|b| strategy.admits(b, host))
+            .collect();
+        if candidates.is_empty() {
+            continue;
+        }
+        let serving: Vec<&Arc<Backend>> = candidates
+            .iter()
+            .copied()
+            .filter(|b| !b.is_draining())
+            .collect();
+        let pool = if serving.is_empty() {
+            &candidates
+        } else {
+            &serving
+        };
+        return pool.choose(&mut rng).map(|b| Arc::clone(b));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BackendId;
+    use konnectivity_proto::AgentIdentifiers;
+    use tokio::sync::mpsc;
+
+    fn backend(id: u64, identifiers: &str) -> Arc<Backend> {
+        let (outbound, _) = mpsc::channel(1);
+        let (commands, _) = mpsc::channel(1);
+        Arc::new(Backend::new(
+            BackendId(id),
+            format!("agent-{id}"),
+            AgentIdentifiers::parse(identifiers).unwrap(),
+            outbound,
+            commands,
+            Arc::new(crate::metrics::ServerMetrics::default()),
+        ))
+    }
+
+    #[test]
+    fn parses_upstream_names_in_order() {
+        assert_eq!(
+            parse_strategies("destHost,default").unwrap(),
+            [Strategy::DestHost, Strategy::Default]
+        );
+        assert!(
+            parse_strategies("destCIDR")
+                .unwrap_err()
+                .contains("destCIDR")
+        );
+        assert!(parse_strategies("default,default").is_err());
+        assert!(parse_strategies("").is_err());
+    }
+
+    #[test]
+    fn dest_host_picks_the_matching_agent_then_falls_back() {
+        let backends = [backend(1, "ipv4=10.0.0.4"), backend(2, "ipv4=10.0.0.5")];
+        let strategies = [Strategy::DestHost, Strategy::Default];
+        for _ in 0..20 {
+            let chosen = select(&strategies, &backends, "10.0.0.5").unwrap();
+            assert_eq!(chosen.id, BackendId(2));
+        }
+        assert!(select(&strategies, &backends, "10.9.9.9").is_some());
+        assert!(select(&[Strategy::DestHost], &backends, "10.9.9.9").is_none());
+    }
+
+    #[test]
+    fn default_route_needs_the_identifier() {
+        let backends = [backend(1, ""), backend(2, "default-route=true")];
+        let chosen = select(&[Strategy::DefaultRoute], &backends, "x").unwrap();
+        assert_eq!(chosen.id, BackendId(2));
+    }
+
+    #[test]
+    fn draining_agents_are_chosen_only_when_all_drain() {
+        let backends = [backend(1, ""), backend(2, "")];
+        backends[0].set_draining();
+        for _ in 0..20 {
+            assert_eq!(
+                select(&[Strategy::Default], &backends, "x").unwrap().id,
+                BackendId(2)
+            );
+        }
+        backends[1].set_draining();
+        assert!(select(&[Strategy::Default], &backends, "x").is_some());
+    }
+
+    #[test]
+    fn no_backends_selects_nothing() {
+        assert!(select(&[Strategy::Default], &[], "x").is_none());
+    }
+}

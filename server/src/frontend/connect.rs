@@ -1,0 +1,317 @@
+//! The HTTP CONNECT frontend, as kube-apiserver's `HTTPConnect` egress dialer
+//! uses it: one `CONNECT host:port HTTP/1.1` per connection, answered with
+//! exactly `HTTP/1.1 200 Connection Established\r\n\r\n` and then raw bytes.
+//!
+//! The request head is parsed here (with `httparse`) rather than by a full
+//! HTTP server so that the success line is byte-exact and nothing the client
+//! sends after the head is lost or buffered away from the tunnel.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_proto::{DATA_CHUNK, DialId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::stream::FrontendStream;
+use crate::tunnel::{Dialer, RemoteEnd, TunnelConn};
+
+/// The success line; Go's client reads exactly this, and nothing may follow
+/// it before the tunneled bytes.
+pub const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
+
+/// The longest request head accepted.
+pub const MAX_HEAD: usize = 16 * 1024;
+/// How long a client may take to send its request head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A request that cannot be tunneled, with the status it is answered with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("method {0} is not allowed: this proxy only supports CONNECT")]
+    NotConnect(String),
+    #[error("malformed request: {0}")]
+    Malformed(String),
+    #[error("CONNECT target {0:?} is not host:port")]
+    BadTarget(String),
+    #[error("request head larger than {MAX_HEAD} bytes")]
+    TooLarge,
+    #[error("request head not received within {HEAD_TIMEOUT:?}")]
+    Timeout,
+    #[error("connection closed before the request head was complete")]
+    Incomplete,
+}
+
+impl RequestError {
+    pub fn http_status(&self) -> u16 {
+        match self {
+            RequestError::NotConnect(_) => 405,
+            RequestError::Malformed(_) | RequestError::BadTarget(_) | RequestError::Incomplete => {
+                400
+            }
+            RequestError::TooLarge => 431,
+            RequestError::Timeout => 408,
+        }
+    }
+}
+
+/// A parsed CONNECT request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnectRequest {
+    /// `host:port` to dial.
+    pub target: String,
+    /// Bytes the client sent after the head; they belong to the tunnel.
+    pub early_data: Bytes,
+}
+
+/// Parses a request head from the start of `buf`. `Ok(None)` means more
+/// bytes are needed. Pure, so it is unit-tested and fuzzed on its own.
+pub fn parse_head(buf: &[u8]) -> Result<Option<(ConnectRequest, usize)>, RequestError> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut request = httparse::Request::new(&mut headers);
+    let head_len = match request.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD => {
+            return Err(RequestError::TooLarge);
+        }
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => return Err(RequestError::TooLarge),
+        Err(error) => return Err(RequestError::Malformed(error.to_string())),
+    };
+    if head_len > MAX_HEAD {
+        return Err(RequestError::TooLarge);
+    }
+    let method = request.method.unwrap_or_default();
+    if method != "CONNECT" {
+        return Err(RequestError::NotConnect(method.to_owned()));
+    }
+    let target = request.path.unwrap_or_default();
+    validate_target(target)?;
+    Ok(Some((
+        ConnectRequest {
+            target: target.to_owned(),
+            early_data: Bytes::copy_from_slice(&buf[head_len..]),
+        },
+        head_len,
+    )))
+}
+
+/// `host:port` with a numeric port and a non-empty host (IPv6 in brackets).
+fn validate_target(target: &str) -> Result<(), RequestError> {
+    let bad = || RequestError::BadTarget(target.to_owned());
+    let (host, port) = target.rsplit_once(':').ok_or_else(bad)?;
+    let port_ok = port.parse::<u16>().is_ok_and(|p| p != 0);
+    let host_ok = !host.is_empty()
+        && (!host.contains(':') || (host.starts_with('[') && host.ends_with(']')))
+        && !host.contains(['/', ' ', '@']);
+    if port_ok && host_ok {
+        Ok(())
+    } else {
+        Err(bad())
+    }
+}
+
+/// Reads the request head, bounded in size and time.
+async fn read_request<S: FrontendStream>(stream: &mut S) -> Result<ConnectRequest, RequestError> {
+    let mut buf = BytesMut::with_capacity(1024);
+    let read = async {
+        loop {
+            if stream
+                .read_buf(&mut buf)
+                .await
+                .map_err(|_| RequestError::Incomplete)?
+                == 0
+            {
+                return Err(RequestError::Incomplete);
+            }
+            if let Some((request, _)) = parse_head(&buf)? {
+                return Ok(request);
+            }
+        }
+    };
+    tokio::time::timeout(HEAD_TIMEOUT, read)
+        .await
+        .map_err(|_| RequestError::Timeout)?
+}
+
+fn reason_phrase(status: u16) -> &'static str {
+    match status {
+        400 => "Bad Request",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Error",
+    }
+}
+
+async fn write_error<S: FrontendStream>(stream: &mut S, status: u16, message: &str) {
+    let body = format!("{message}\n");
+    let response = format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: text/plain; charset=utf-8\r\nX-Content-Type-Options: nosniff\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        reason_phrase(status),
+        body.len()
+    );
+    let _ = stream.write_all(response.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+/// Serves one CONNECT connection from request to close.
+pub async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
+    let _open = GaugeGuard::new(&dialer.metrics.http_connections);
+    let request = match read_request(&mut stream).await {
+        Ok(request) => request,
+        Err(error) => {
+            tracing::debug!(%error, "rejected CONNECT request");
+            write_error(&mut stream, error.http_status(), &error.to_string()).await;
+            return;
+        }
+    };
+    let connection = match dialer.dial(&request.target, DialId::random()).await {
+        Ok(connection) => connection,
+        Err(error) => {
+            tracing::info!(target = %request.target, %error, "CONNECT dial failed");
+            let message = format!("dial to {} failed: {error}", request.target);
+            write_error(&mut stream, error.http_status(), &message).await;
+            return;
+        }
+    };
+    if stream.write_all(ESTABLISHED).await.is_err() {
+        return;
+    }
+    tracing::debug!(target = %request.target, connect_id = %connection.connect_id, "tunnel established");
+    pump(stream, connection, request.early_data).await;
+}
+
+/// Copies bytes both ways until either side ends. There is no half-close in
+/// the protocol: the first end, either way, ends both directions.
+async fn pump<S: FrontendStream>(stream: S, connection: TunnelConn, early_data: Bytes) {
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    let (sender, mut receiver) = connection.split();
+
+    let client_to_agent = async {
+        if !early_data.is_empty() && sender.send(early_data).await.is_err() {
+            return;
+        }
+        let mut buf = BytesMut::new();
+        loop {
+            buf.reserve(DATA_CHUNK);
+            match reader.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {
+                    if sender.send(buf.split().freeze()).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    let agent_to_client = async {
+        loop {
+            match receiver.recv().await {
+                Ok(data) => {
+                    if writer.write_all(&data).await.is_err() {
+                        return RemoteEnd::Closed;
+                    }
+                }
+                Err(end) => return end,
+            }
+        }
+    };
+    let remote_end = tokio::select! {
+        () = client_to_agent => None,
+        end = agent_to_client => Some(end),
+    };
+    // Dropping the sender closes the connection on the agent.
+    drop(sender);
+    match remote_end {
+        Some(RemoteEnd::Closed) => {
+            let _ = writer.shutdown().await;
+        }
+        Some(RemoteEnd::Failed(error)) => {
+            tracing::info!(%error, "tunnel broke; resetting the client connection");
+            reader.unsplit(writer).abort_on_drop();
+        }
+        None => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Option<(ConnectRequest, usize)>, RequestError> {
+        parse_head(text.as_bytes())
+    }
+
+    #[test]
+    fn connect_as_kube_apiserver_sends_it() {
+        let (request, len) = parse("CONNECT 10.0.0.5:10250 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(request.target, "10.0.0.5:10250");
+        assert!(request.early_data.is_empty());
+        assert_eq!(len, 51);
+    }
+
+    #[test]
+    fn bytes_after_the_head_are_kept_for_the_tunnel() {
+        let (request, _) = parse("CONNECT a:1 HTTP/1.1\r\n\r\n\x16\x03\x01hello")
+            .unwrap()
+            .unwrap();
+        assert_eq!(&request.early_data[..], b"\x16\x03\x01hello");
+    }
+
+    #[test]
+    fn partial_head_asks_for_more() {
+        assert_eq!(parse("CONNECT a:1 HTTP/1.1\r\nHost: x\r\n"), Ok(None));
+    }
+
+    #[test]
+    fn other_methods_are_405() {
+        let error = parse("GET / HTTP/1.1\r\n\r\n").unwrap_err();
+        assert_eq!(error, RequestError::NotConnect("GET".into()));
+        assert_eq!(error.http_status(), 405);
+    }
+
+    #[test]
+    fn bad_targets_are_400() {
+        for target in [
+            "nohost",
+            ":80",
+            "a:0",
+            "a:99999",
+            "a:x",
+            "fd00::1:80",
+            "a/b:80",
+        ] {
+            let error = parse(&format!("CONNECT {target} HTTP/1.1\r\n\r\n")).unwrap_err();
+            assert_eq!(error, RequestError::BadTarget(target.into()), "{target}");
+            assert_eq!(error.http_status(), 400);
+        }
+        assert!(
+            parse("CONNECT [fd00::1]:443 HTTP/1.1\r\n\r\n")
+                .unwrap()
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn garbage_is_malformed() {
+        let error = parse("\x00\x01\x02 junk\r\n\r\n").unwrap_err();
+        assert!(matches!(error, RequestError::Malformed(_)));
+        assert_eq!(error.http_status(), 400);
+    }
+
+    #[test]
+    fn oversized_heads_are_refused() {
+        let mut head = String::from("CONNECT a:1 HTTP/1.1\r\n");
+        while head.len() < MAX_HEAD {
+            head.push_str("X-Filler: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n");
+        }
+        assert_eq!(parse(&head), Err(RequestError::TooLarge));
+    }
+}

@@ -1,0 +1,5 @@
+//! Frontends: where kube-apiserver (or any tunnel client) connects.
+
+pub mod connect;
+pub mod listen;
+pub mod stream;

@@ -1,0 +1,180 @@
+//! The server's Prometheus metrics, under upstream's names
+//! (`konnectivity_network_proxy_server_*`).
+
+use konnectivity_plumbing::metrics::UnsuffixedCounter;
+use konnectivity_proto::PacketType;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, &'static str)>;
+
+/// Upstream's dial latency buckets, 1 µs to 12.5 s.
+const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
+
+/// Why a dial failed, with upstream's label values where upstream has one.
+#[derive(Clone, Copy, Debug)]
+pub enum DialFailure {
+    /// The agent reported the error.
+    Endpoint,
+    /// A DIAL_RSP for a dial nobody waits for.
+    UnrecognizedResponse,
+    /// The frontend went away before the dial completed.
+    FrontendClose,
+    /// The agent stream ended before the dial completed.
+    BackendClose,
+    /// No DIAL_RSP within --backend-dial-timeout.
+    Timeout,
+    /// No backend could be selected.
+    NoBackend,
+}
+
+impl DialFailure {
+    fn label(self) -> &'static str {
+        match self {
+            DialFailure::Endpoint => "endpoint",
+            DialFailure::UnrecognizedResponse => "unrecognized_response",
+            DialFailure::FrontendClose => "frontend_close",
+            DialFailure::BackendClose => "backend_close",
+            DialFailure::Timeout => "timeout",
+            DialFailure::NoBackend => "no_backend",
+        }
+    }
+}
+
+/// Which leg of the tunnel a packet travelled on.
+#[derive(Clone, Copy, Debug)]
+pub enum Segment {
+    FromAgent = 0,
+    ToAgent = 1,
+}
+
+impl Segment {
+    const ALL: [Segment; 2] = [Segment::FromAgent, Segment::ToAgent];
+
+    fn label(self) -> &'static str {
+        match self {
+            Segment::FromAgent => "from_agent",
+            Segment::ToAgent => "to_agent",
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct ServerMetrics {
+    pub registry: Registry,
+    pub established_connections: Gauge,
+    pub pending_backend_dials: Gauge,
+    pub http_connections: Gauge,
+    pub ready_backends: Gauge,
+    pub dial_duration: Histogram,
+    pub stream_errors: Counter,
+    grpc_connections: Family<Labels, Gauge>,
+    dial_failures: Family<Labels, UnsuffixedCounter>,
+    /// Counters resolved once, indexed by segment then packet type, so the
+    /// data path never builds a label set.
+    packet_counters: [[Counter; PACKET_TYPES]; 2],
+}
+
+const PACKET_TYPES: usize = 7;
+
+impl Default for ServerMetrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("konnectivity_network_proxy_server");
+        let metrics = ServerMetrics {
+            established_connections: Gauge::default(),
+            pending_backend_dials: Gauge::default(),
+            http_connections: Gauge::default(),
+            ready_backends: Gauge::default(),
+            dial_duration: Histogram::new(LATENCY_BUCKETS),
+            stream_errors: Counter::default(),
+            grpc_connections: Family::default(),
+            dial_failures: Family::default(),
+            packet_counters: Default::default(),
+            registry: Registry::default(),
+        };
+        let stream_packets = Family::<Labels, Counter>::default();
+        let mut packet_counters: [[Counter; PACKET_TYPES]; 2] = Default::default();
+        for (segment, counters) in packet_counters.iter_mut().enumerate() {
+            for (kind, counter) in counters.iter_mut().enumerate() {
+                let kind = PacketType::try_from(kind as i32).expect("packet types are 0..7");
+                *counter = stream_packets
+                    .get_or_create(&vec![
+                        ("segment", Segment::ALL[segment].label()),
+                        ("packet_type", kind.as_str_name()),
+                    ])
+                    .clone();
+            }
+        }
+        registry.register(
+            "established_connections",
+            "Current number of established end-to-end connections",
+            metrics.established_connections.clone(),
+        );
+        registry.register(
+            "pending_backend_dials",
+            "Current number of pending backend dial requests",
+            metrics.pending_backend_dials.clone(),
+        );
+        registry.register(
+            "http_connections",
+            "Number of current HTTP CONNECT connections",
+            metrics.http_connections.clone(),
+        );
+        registry.register(
+            "ready_backends",
+            "Number of agent streams connected to this server",
+            metrics.ready_backends.clone(),
+        );
+        registry.register(
+            "dial_duration_seconds",
+            "Latency of dial to the remote endpoint in seconds",
+            metrics.dial_duration.clone(),
+        );
+        registry.register(
+            "stream_errors",
+            "Packets and streams rejected as invalid",
+            metrics.stream_errors.clone(),
+        );
+        registry.register(
+            "grpc_connections",
+            "Number of current grpc connections, partitioned by service method",
+            metrics.grpc_connections.clone(),
+        );
+        registry.register(
+            "dial_failure_count",
+            "Number of dial failures observed, by reason",
+            metrics.dial_failures.clone(),
+        );
+        registry.register(
+            "stream_packets",
+            "Packets on gRPC streams, by segment and packet type",
+            stream_packets,
+        );
+        ServerMetrics {
+            registry,
+            packet_counters,
+            ..metrics
+        }
+    }
+}
+
+impl ServerMetrics {
+    pub fn dial_failed(&self, reason: DialFailure) {
+        self.dial_failures
+            .get_or_create(&vec![("reason", reason.label())])
+            .inc();
+    }
+
+    pub fn grpc_connections(&self, service_method: &'static str) -> Gauge {
+        self.grpc_connections
+            .get_or_create(&vec![("service_method", service_method)])
+            .clone()
+    }
+
+    pub fn packet(&self, segment: Segment, kind: PacketType) {
+        self.packet_counters[segment as usize][kind as usize].inc();
+    }
+}

@@ -1,0 +1,225 @@
+//! The frontend's view of a tunneled connection: dial through a selected
+//! backend, then send and receive bytes. HTTP CONNECT and gRPC frontends
+//! share this one path.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use konnectivity_proto::{ConnectId, DialId, Frame};
+use tokio::sync::mpsc;
+
+use crate::backend::registry::Registry;
+use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
+use crate::metrics::{DialFailure, ServerMetrics};
+
+/// Why a dial did not produce a connection. The text reaches the client.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DialError {
+    #[error("No agent available")]
+    NoBackend,
+    /// The agent's own error text, passed through unchanged.
+    #[error("{0}")]
+    Agent(String),
+    #[error("dial timeout: no DIAL_RSP from agent within {0:?} (--backend-dial-timeout)")]
+    Timeout(Duration),
+    #[error("{AGENT_DISCONNECTED} before answering the dial")]
+    BackendGone,
+}
+
+impl DialError {
+    /// The HTTP status upstream's CONNECT frontend answers this error with.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            DialError::NoBackend => 500,
+            DialError::Timeout(_) => 504,
+            DialError::BackendGone => 502,
+            DialError::Agent(text) => {
+                let text = text.to_ascii_lowercase();
+                if text.contains("timeout") || text.contains("deadline exceeded") {
+                    504
+                } else if text.contains("too many open files") {
+                    503
+                } else {
+                    502
+                }
+            }
+        }
+    }
+}
+
+/// Dials through the registry's backends.
+#[derive(Clone)]
+pub struct Dialer {
+    pub registry: Arc<Registry>,
+    pub metrics: Arc<ServerMetrics>,
+    /// `--backend-dial-timeout`; `None` leaves the deadline to the agent.
+    pub timeout: Option<Duration>,
+    /// `--xfr-channel-size`: events buffered per connection.
+    pub channel_size: usize,
+}
+
+impl Dialer {
+    /// Dials `address` (`host:port`) with a dial id of the caller's choosing
+    /// (gRPC clients pick their own; HTTP CONNECT uses a random one).
+    pub async fn dial(&self, address: &str, dial_id: DialId) -> Result<TunnelConn, DialError> {
+        let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+        let Some(backend) = self.registry.select(host) else {
+            self.metrics.dial_failed(DialFailure::NoBackend);
+            return Err(DialError::NoBackend);
+        };
+        let (events_tx, mut events) = mpsc::channel(self.channel_size);
+        backend
+            .command(Command::Dial {
+                dial_id,
+                address: address.to_owned(),
+                events: events_tx,
+            })
+            .await
+            .map_err(|BackendGone| DialError::BackendGone)?;
+        // Until the answer arrives, dropping this future cancels the dial.
+        let mut cancel = CancelDialOnDrop {
+            backend: &backend,
+            dial_id,
+            armed: true,
+        };
+        let answer = match self.timeout {
+            Some(limit) => tokio::time::timeout(limit, events.recv())
+                .await
+                .map_err(|_| DialError::Timeout(limit)),
+            None => Ok(events.recv().await),
+        };
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(timeout) => {
+                self.metrics.dial_failed(DialFailure::Timeout);
+                return Err(timeout);
+            }
+        };
+        cancel.armed = false;
+        match answer {
+            Some(Event::Dialed(Ok(connect_id))) => Ok(TunnelConn {
+                connect_id,
+                sender: TunnelSender {
+                    backend: backend.clone(),
+                    connect_id,
+                },
+                events,
+            }),
+            Some(Event::Dialed(Err(text))) => Err(DialError::Agent(text)),
+            Some(_) | None => Err(DialError::BackendGone),
+        }
+    }
+}
+
+struct CancelDialOnDrop<'a> {
+    backend: &'a Backend,
+    dial_id: DialId,
+    armed: bool,
+}
+
+impl Drop for CancelDialOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.backend.command_from_drop(Command::CancelDial {
+                dial_id: self.dial_id,
+            });
+        }
+    }
+}
+
+/// An established tunneled connection.
+pub struct TunnelConn {
+    pub connect_id: ConnectId,
+    sender: TunnelSender,
+    events: mpsc::Receiver<Event>,
+}
+
+impl TunnelConn {
+    /// Splits into the half that sends to the agent and the half that
+    /// receives from it, so both directions can run at once.
+    pub fn split(self) -> (TunnelSender, TunnelReceiver) {
+        (
+            self.sender,
+            TunnelReceiver {
+                events: self.events,
+            },
+        )
+    }
+}
+
+/// Sends bytes to the remote end. Dropping it closes the connection on the
+/// agent (CLOSE_REQ), whatever path the frontend took to get there.
+pub struct TunnelSender {
+    backend: Arc<Backend>,
+    connect_id: ConnectId,
+}
+
+impl TunnelSender {
+    pub async fn send(&self, data: Bytes) -> Result<(), BackendGone> {
+        self.backend
+            .send(Frame::Data {
+                connect_id: self.connect_id,
+                data,
+            })
+            .await
+    }
+}
+
+impl Drop for TunnelSender {
+    fn drop(&mut self) {
+        // Harmless when the agent closed first: the session no longer knows
+        // the id and ignores the request.
+        self.backend.command_from_drop(Command::Close {
+            connect_id: self.connect_id,
+        });
+    }
+}
+
+/// How the remote side of a connection ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RemoteEnd {
+    /// The agent closed it cleanly (the target closed, or it answered our close).
+    Closed,
+    /// The agent reported an error, or its stream went away.
+    Failed(String),
+}
+
+pub struct TunnelReceiver {
+    events: mpsc::Receiver<Event>,
+}
+
+impl TunnelReceiver {
+    /// The next chunk from the remote end, or how the connection ended.
+    pub async fn recv(&mut self) -> Result<Bytes, RemoteEnd> {
+        match self.events.recv().await {
+            Some(Event::Data(data)) => Ok(data),
+            Some(Event::Closed(None)) => Err(RemoteEnd::Closed),
+            Some(Event::Closed(Some(error))) => Err(RemoteEnd::Failed(error)),
+            Some(Event::Dialed(_)) => Err(RemoteEnd::Failed("duplicate DIAL_RSP".to_owned())),
+            None => Err(RemoteEnd::Failed(AGENT_DISCONNECTED.to_owned())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agent_errors_map_to_upstream_statuses() {
+        let status = |text: &str| DialError::Agent(text.into()).http_status();
+        assert_eq!(status("dial tcp 10.0.0.1:80: i/o timeout"), 504);
+        assert_eq!(status("context deadline exceeded"), 504);
+        assert_eq!(status("dial tcp: socket: too many open files"), 503);
+        assert_eq!(
+            status("dial tcp 127.0.0.1:1: connect: connection refused"),
+            502
+        );
+        assert_eq!(DialError::NoBackend.http_status(), 500);
+        assert_eq!(
+            DialError::Timeout(Duration::from_secs(1)).http_status(),
+            504
+        );
+    }
+}
