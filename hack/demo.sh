@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# A local demo of the egress tunnel on loopback:
+#   curl --proxy https://127.0.0.1:$FRONTEND_PORT (mTLS) → proxy-server → proxy-agent (mTLS) → web page
+# Builds the binaries, makes throwaway certificates, starts a web server,
+# proxy-server and proxy-agent, fetches the page through the tunnel and
+# stops everything again. Run as root on Debian: bash hack/demo.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+FRONTEND_PORT=${FRONTEND_PORT:-18090}
+AGENT_PORT=${AGENT_PORT:-18091}
+SERVER_HEALTH_PORT=${SERVER_HEALTH_PORT:-18092}
+AGENT_HEALTH_PORT=${AGENT_HEALTH_PORT:-18093}
+WEB_PORT=${WEB_PORT:-18080}
+
+need=()
+for tool in curl openssl python3; do command -v "$tool" >/dev/null || need+=("$tool"); done
+if ((${#need[@]})); then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+echo "== building"
+cargo build --bins --locked --quiet
+bin=target/debug
+
+work=hack/.demo
+rm -rf "$work"
+mkdir -p "$work/www"
+hack/gen-certs.sh "$work/certs"
+certs=$work/certs
+echo "Hello from behind the agent: this page came through konnectivity-rs." > "$work/www/index.html"
+
+pids=()
+# proxy-agent drains on its first SIGTERM and exits on the second, as upstream's.
+cleanup() {
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  sleep 0.2
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
+
+(cd "$work/www" && exec python3 -m http.server "$WEB_PORT" --bind 127.0.0.1) >"$work/web.log" 2>&1 &
+pids+=($!)
+
+"$bin/proxy-server" --mode=http-connect \
+  --server-port="$FRONTEND_PORT" --server-bind-address=127.0.0.1 \
+  --server-cert="$certs/server.crt" --server-key="$certs/server.key" --server-ca-cert="$certs/ca.crt" \
+  --agent-port="$AGENT_PORT" --agent-bind-address=127.0.0.1 \
+  --cluster-cert="$certs/server.crt" --cluster-key="$certs/server.key" --cluster-ca-cert="$certs/ca.crt" \
+  --health-port="$SERVER_HEALTH_PORT" --health-bind-address=127.0.0.1 >"$work/server.log" 2>&1 &
+pids+=($!)
+
+"$bin/proxy-agent" --proxy-server-host=127.0.0.1 --proxy-server-port="$AGENT_PORT" \
+  --ca-cert="$certs/ca.crt" --agent-cert="$certs/agent.crt" --agent-key="$certs/agent.key" \
+  --agent-id=demo-agent --health-server-port="$AGENT_HEALTH_PORT" --health-server-host=127.0.0.1 >"$work/agent.log" 2>&1 &
+pids+=($!)
+
+echo "== waiting for the web server and for the agent to connect"
+for _ in $(seq 100); do
+  curl -sf "http://127.0.0.1:$WEB_PORT/" >/dev/null && curl -sf "http://127.0.0.1:$SERVER_HEALTH_PORT/readyz" >/dev/null && break
+  sleep 0.1
+done
+curl -sS "http://127.0.0.1:$SERVER_HEALTH_PORT/readyz"
+
+echo "== curl through the tunnel (HTTP CONNECT over mTLS)"
+curl -sS --fail --proxytunnel --proxy "https://127.0.0.1:$FRONTEND_PORT" \
+  --proxy-cacert "$certs/ca.crt" --proxy-cert "$certs/client.crt" --proxy-key "$certs/client.key" \
+  "http://127.0.0.1:$WEB_PORT/index.html"
+
+echo "== server metrics after the request"
+curl -sS "http://127.0.0.1:$SERVER_HEALTH_PORT/metrics" | grep -E '^konnectivity_network_proxy_server_(established_connections|ready_backends|stream_packets_total\{segment="from_agent",packet_type="DATA"\}) '
+echo "== demo done (logs in $work)"

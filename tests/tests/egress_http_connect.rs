@@ -1,0 +1,345 @@
+//! Egress through the HTTP CONNECT frontend, end to end with the real
+//! binaries: curl and a kube-apiserver-like client, over mTLS TCP and over
+//! the Unix socket; bulk and concurrent transfers; every error path.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::certs::Pki;
+use support::connect::{via_tls, via_uds};
+use support::procs::{Agent, Server};
+use support::scrape::metric;
+use support::targets::{self, pattern_digest};
+use support::{TempDir, wait_until};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const GIB: u64 = 1024 * 1024 * 1024;
+
+/// A server (HTTP CONNECT) with one connected agent.
+struct Setup {
+    dir: TempDir,
+    pki: Pki,
+    server: Server,
+    agent: Agent,
+}
+
+async fn setup(uds: bool, agent_extra: &[String]) -> Setup {
+    let dir = TempDir::new("konn-egress");
+    let pki = Pki::new(dir.path());
+    let server = Server::start(dir.path(), &pki, "http-connect", uds, &[]).await;
+    let agent = Agent::start(dir.path(), &pki, server.agent_port, "agent-1", agent_extra);
+    server.wait_backends(1).await;
+    Setup {
+        dir,
+        pki,
+        server,
+        agent,
+    }
+}
+
+/// Waits until the server's and agent's connection gauges read zero.
+async fn assert_gauges_return_to_zero(setup: &Setup) {
+    let server = setup.server.health_port;
+    let agent = setup.agent.health_port;
+    wait_until(Duration::from_secs(10), "connection gauges to return to 0", || async move {
+        metric(server, "konnectivity_network_proxy_server_established_connections").await == Some(0.0)
+            && metric(server, "konnectivity_network_proxy_server_pending_backend_dials").await == Some(0.0)
+            && metric(server, "konnectivity_network_proxy_server_http_connections").await == Some(0.0)
+            && metric(agent, "konnectivity_network_proxy_agent_open_endpoint_connections").await == Some(0.0)
+    })
+    .await;
+}
+
+fn curl(args: &[String]) -> std::process::Output {
+    std::process::Command::new("curl")
+        .args(["--silent", "--show-error", "--max-time", "20"])
+        .args(args)
+        .output()
+        .expect("curl is installed (hack/test.sh installs it)")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_fetches_a_page_through_the_mtls_tcp_frontend() {
+    let setup = setup(false, &[]).await;
+    let target = targets::http("hello through the tunnel\n").await;
+    let pki = &setup.pki;
+    let output = curl(&[
+        "--proxytunnel".into(),
+        "--proxy".into(),
+        format!("https://127.0.0.1:{}", setup.server.tcp_port()),
+        "--proxy-cacert".into(),
+        pki.ca.display().to_string(),
+        "--proxy-cert".into(),
+        pki.client.cert.display().to_string(),
+        "--proxy-key".into(),
+        pki.client.key.display().to_string(),
+        format!("http://{}/", target.addr),
+    ]);
+    assert!(output.status.success(), "curl failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "hello through the tunnel\n");
+    assert_gauges_return_to_zero(&setup).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_fetches_a_page_through_the_unix_socket_frontend() {
+    let setup = setup(true, &[]).await;
+    let target = targets::http("hello over the socket\n").await;
+    // curl cannot send CONNECT over a Unix socket itself (--unix-socket turns
+    // its proxy support off), so socat carries curl's proxy connection onto
+    // the socket byte for byte, as a sidecar sharing the socket would.
+    let bridge_port = support::free_port();
+    let _bridge = support::procs::Proc::spawn_program(
+        "socat",
+        &[
+            format!("TCP-LISTEN:{bridge_port},bind=127.0.0.1,reuseaddr,fork"),
+            format!("UNIX-CONNECT:{}", setup.server.uds_path().display()),
+        ],
+        setup.dir.path(),
+    );
+    wait_until(Duration::from_secs(5), "socat to listen", || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", bridge_port)).await.is_ok()
+    })
+    .await;
+    let output = curl(&[
+        "--proxytunnel".into(),
+        "--proxy".into(),
+        format!("http://127.0.0.1:{bridge_port}"),
+        format!("http://{}/", target.addr),
+    ]);
+    assert!(output.status.success(), "curl failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "hello over the socket\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gib_pushed_and_one_gib_pulled_through_one_tunnel_arrive_intact() {
+    let setup = setup(false, &[]).await;
+    let target = targets::blob().await;
+    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+    let mut tunnel = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string())
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+
+    let (sent, received) = targets::push(&mut tunnel, GIB, 7).await.unwrap();
+    assert_eq!(sent, received, "pushed bytes changed on the way");
+
+    let expected = tokio::task::spawn_blocking(|| pattern_digest(GIB, 11));
+    let pulled = targets::pull(&mut tunnel, GIB, 11).await.unwrap();
+    assert_eq!(pulled, expected.await.unwrap(), "pulled bytes changed on the way");
+
+    drop(tunnel);
+    assert_gauges_return_to_zero(&setup).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_hundred_concurrent_tunnels_each_exchange_their_own_bytes() {
+    let setup = setup(true, &[]).await;
+    let target = targets::blob().await;
+    let address = target.addr.to_string();
+    let mut tasks = Vec::new();
+    for i in 0..500u64 {
+        let path = setup.server.uds_path().to_owned();
+        let address = address.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tunnel = via_uds(&path, &address).await?.map_err(|r| {
+                std::io::Error::other(format!("CONNECT refused: {} {}", r.status, r.body))
+            })?;
+            targets::start_echo(&mut tunnel).await?;
+            let mut payload = vec![0u8; 32 * 1024];
+            support::Pattern::new(i).fill(&mut payload);
+            let (mut read, mut write) = tokio::io::split(tunnel);
+            let writer = async {
+                write.write_all(&payload).await?;
+                write.flush().await
+            };
+            let mut echoed = vec![0u8; payload.len()];
+            let (written, read_back) = tokio::join!(writer, read.read_exact(&mut echoed));
+            written?;
+            read_back?;
+            assert_eq!(echoed, payload, "tunnel {i} got someone else's bytes");
+            Ok::<_, std::io::Error>(())
+        }));
+    }
+    for (i, task) in tasks.into_iter().enumerate() {
+        task.await.unwrap().unwrap_or_else(|e| panic!("tunnel {i}: {e}"));
+    }
+    assert_gauges_return_to_zero(&setup).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_agents_connect_answers_500() {
+    let dir = TempDir::new("konn-egress");
+    let pki = Pki::new(dir.path());
+    let server = Server::start(dir.path(), &pki, "http-connect", false, &[]).await;
+    let tls = pki.client_tls(Some(&pki.client), &[]);
+    let refused = via_tls(server.tcp_port(), tls, "127.0.0.1:9")
+        .await
+        .unwrap()
+        .expect_err("no agent, no tunnel");
+    assert_eq!(refused.status, 500, "{refused:?}");
+    assert!(refused.body.contains("No agent available"), "{refused:?}");
+    let (status, body) = support::scrape::http_get(server.health_port, "/readyz").await.unwrap();
+    assert_eq!(status, 500, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_target_answers_502_naming_the_error() {
+    let setup = setup(false, &[]).await;
+    let closed_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+    let refused = via_tls(setup.server.tcp_port(), tls, &closed_port.to_string())
+        .await
+        .unwrap()
+        .expect_err("nothing listens there");
+    assert_eq!(refused.status, 502, "{refused:?}");
+    assert!(refused.head.contains("Content-Type: text/plain"), "{refused:?}");
+    assert!(refused.body.contains("connection refused"), "{refused:?}");
+    assert!(refused.body.contains(&closed_port.to_string()), "{refused:?}");
+    let failures = metric(
+        setup.server.health_port,
+        "konnectivity_network_proxy_server_dial_failure_count{reason=\"endpoint\"}",
+    )
+    .await;
+    assert_eq!(failures, Some(1.0));
+    assert_gauges_return_to_zero(&setup).await;
+}
+
+/// A listener whose accept queue is full: the kernel drops further SYNs,
+/// so a dial to it hangs until the dialer's timeout.
+fn unanswering_listener() -> (socket2::Socket, std::net::TcpStream, std::net::SocketAddr) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+    socket.listen(0).unwrap();
+    let addr = socket.local_addr().unwrap().as_socket().unwrap();
+    let filler = std::net::TcpStream::connect(addr).unwrap();
+    (socket, filler, addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dial_timeout_answers_504() {
+    let setup = setup(false, &["--dial-timeout=1s".to_owned()]).await;
+    let (_listener, _filler, addr) = unanswering_listener();
+    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+    let started = Instant::now();
+    let refused = via_tls(setup.server.tcp_port(), tls, &addr.to_string())
+        .await
+        .unwrap()
+        .expect_err("the dial cannot complete");
+    assert_eq!(refused.status, 504, "{refused:?}");
+    assert!(refused.body.contains("timeout"), "{refused:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_gauges_return_to_zero(&setup).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn methods_other_than_connect_answer_405() {
+    let setup = setup(true, &[]).await;
+    let mut stream = tokio::net::UnixStream::connect(setup.server.uds_path()).await.unwrap();
+    stream
+        .write_all(b"GET http://127.0.0.1/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 405 "), "{response}");
+    assert!(response.contains("only supports CONNECT"), "{response}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_clients_without_a_trusted_certificate_are_refused_at_the_handshake() {
+    let setup = setup(false, &[]).await;
+    let target = targets::http("secret\n").await;
+    for identity in [None, Some(&setup.pki.stranger)] {
+        let tls = setup.pki.client_tls(identity, &[]);
+        // TLS 1.3 reports the server's rejection on the first read.
+        let result = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string()).await;
+        let error = result.expect_err("the server must refuse the handshake");
+        let text = error.to_string();
+        assert!(
+            text.contains("CertificateRequired") || text.contains("certificate") || text.contains("UnknownCA"),
+            "unexpected error: {text}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_streams_without_agentid_are_refused() {
+    use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
+
+    let dir = TempDir::new("konn-egress");
+    let pki = Pki::new(dir.path());
+    let server = Server::start(dir.path(), &pki, "http-connect", false, &[]).await;
+    let tls = pki.client_tls(Some(&pki.agent), &[b"h2"]);
+    let port = server.agent_port;
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let tls = tls.clone();
+            async move {
+                let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+                let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+                let stream = tokio_rustls::TlsConnector::from(tls).connect(name, tcp).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .unwrap();
+    let mut client = AgentServiceClient::new(channel);
+    let status = client
+        .connect(tokio_stream::pending::<konnectivity_proto::Packet>())
+        .await
+        .expect_err("no agentid, no stream");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("agentid"), "{status:?}");
+    assert_eq!(
+        metric(server.health_port, "konnectivity_network_proxy_server_ready_backends").await,
+        Some(0.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agent_serves() {
+    let mut setup = setup(false, &[]).await;
+    let target = targets::blob().await;
+    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+    let mut tunnel = via_tls(setup.server.tcp_port(), tls.clone(), &target.addr.to_string())
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+
+    // Ask for far more than will ever arrive, read some, then kill the agent.
+    targets::request_pull(&mut tunnel, 64 * GIB, 3).await.unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut received = 0usize;
+    while received < 8 * 1024 * 1024 {
+        received += tunnel.read(&mut buf).await.unwrap();
+    }
+    setup.agent.proc.kill();
+    let killed_at = Instant::now();
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match tunnel.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(_) => continue,
+                Err(error) => return Err(error),
+            }
+        }
+    })
+    .await
+    .expect("the client's connection must end promptly, not hang");
+    assert!(end.is_err(), "a broken tunnel must end with an error, not a clean EOF");
+    assert!(killed_at.elapsed() < Duration::from_secs(5));
+    setup.server.wait_backends(0).await;
+
+    // A new agent process reconnects by itself and serves new tunnels.
+    setup.agent = Agent::start(setup.dir.path(), &setup.pki, setup.server.agent_port, "agent-1", &[]);
+    setup.server.wait_backends(1).await;
+    let mut tunnel = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string())
+        .await
+        .unwrap()
+        .expect("CONNECT accepted after the agent came back");
+    let (sent, received) = targets::push(&mut tunnel, 1024 * 1024, 5).await.unwrap();
+    assert_eq!(sent, received);
+    drop(tunnel);
+    assert_gauges_return_to_zero(&setup).await;
+}

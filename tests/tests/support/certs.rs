@@ -1,0 +1,110 @@
+//! A throwaway PKI made with rcgen at test time.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair,
+};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+
+/// One certificate and key on disk.
+#[derive(Clone, Debug)]
+pub struct CertFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Files for every identity a test needs.
+pub struct Pki {
+    pub ca: PathBuf,
+    /// proxy-server: SANs localhost, 127.0.0.1.
+    pub server: CertFiles,
+    /// proxy-agent client certificate.
+    pub agent: CertFiles,
+    /// Frontend client (what kube-apiserver presents).
+    pub client: CertFiles,
+    /// A client certificate from a CA the server does not trust.
+    pub stranger: CertFiles,
+}
+
+fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+fn leaf(
+    dir: &Path,
+    name: &str,
+    sans: &[&str],
+    usage: ExtendedKeyUsagePurpose,
+    issuer: &CertifiedIssuer<'static, KeyPair>,
+) -> CertFiles {
+    let sans: Vec<String> = sans.iter().map(|s| s.to_string()).collect();
+    let mut params = CertificateParams::new(sans).unwrap();
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.extended_key_usages = vec![usage];
+    let key = KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, issuer).unwrap();
+    let files = CertFiles {
+        cert: dir.join(format!("{name}.crt")),
+        key: dir.join(format!("{name}.key")),
+    };
+    std::fs::write(&files.cert, cert.pem()).unwrap();
+    std::fs::write(&files.key, key.serialize_pem()).unwrap();
+    files
+}
+
+impl Pki {
+    pub fn new(dir: &Path) -> Pki {
+        let authority = ca("konnectivity-test-ca");
+        let other = ca("untrusted-ca");
+        let ca_path = dir.join("ca.crt");
+        std::fs::write(&ca_path, authority.pem()).unwrap();
+        Pki {
+            ca: ca_path,
+            server: leaf(
+                dir,
+                "proxy-server",
+                &["localhost", "127.0.0.1"],
+                ExtendedKeyUsagePurpose::ServerAuth,
+                &authority,
+            ),
+            agent: leaf(dir, "proxy-agent", &[], ExtendedKeyUsagePurpose::ClientAuth, &authority),
+            client: leaf(dir, "kube-apiserver", &[], ExtendedKeyUsagePurpose::ClientAuth, &authority),
+            stranger: leaf(dir, "stranger", &[], ExtendedKeyUsagePurpose::ClientAuth, &other),
+        }
+    }
+
+    /// A rustls client config trusting the test CA, presenting `identity`.
+    pub fn client_tls(&self, identity: Option<&CertFiles>, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_file_iter(&self.ca).unwrap() {
+            roots.add(cert.unwrap()).unwrap();
+        }
+        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+        let mut config = match identity {
+            Some(files) => builder
+                .with_client_auth_cert(
+                    CertificateDer::pem_file_iter(&files.cert)
+                        .unwrap()
+                        .map(Result::unwrap)
+                        .collect(),
+                    PrivateKeyDer::from_pem_file(&files.key).unwrap(),
+                )
+                .unwrap(),
+            None => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(config)
+    }
+}

@@ -1,0 +1,99 @@
+//! Fixtures shared by the integration tests: certificates, the real
+//! binaries as child processes, CONNECT clients, target servers and
+//! metric scraping. Everything is on loopback and cleans up on drop.
+
+#![allow(dead_code)]
+
+pub mod certs;
+pub mod connect;
+pub mod procs;
+pub mod scrape;
+pub mod targets;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// A directory removed when dropped, also when the test panics.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        static COUNTER: AtomicU32 = AtomicU32::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A port that is free now, in the range the binaries accept (1024-49151).
+/// Tests in one process share a counter so they never pick the same one.
+pub fn free_port() -> u16 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let base = 20000 + (std::process::id() % 500) * 20;
+    loop {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (base + offset % 20000) as u16;
+        if port > 40000 {
+            continue;
+        }
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+            && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
+        {
+            return port;
+        }
+    }
+}
+
+/// Polls `check` every 50 ms until it returns true; panics naming `what`
+/// after `limit`.
+pub async fn wait_until<F, Fut>(limit: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out after {limit:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so both ends of a transfer
+/// can produce and check the same stream without storing it.
+pub struct Pattern(u64);
+
+impl Pattern {
+    pub fn new(seed: u64) -> Self {
+        Pattern(seed | 1)
+    }
+
+    pub fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            let mut x = self.0;
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            self.0 = x;
+            chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+        }
+    }
+}

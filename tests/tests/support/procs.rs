@@ -1,0 +1,228 @@
+//! The real `proxy-server` and `proxy-agent` binaries as child processes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::certs::Pki;
+use super::scrape::http_get;
+use super::{free_port, wait_until};
+
+/// Path of a workspace binary, next to the test executable's directory
+/// (`target/<profile>/`). `hack/test.sh` builds them before the tests.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executable lives in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (cargo build --bins)",
+        path.display()
+    );
+    path
+}
+
+/// A child process killed (SIGKILL) and reaped when dropped. Its output goes
+/// to a log file that failing tests print.
+pub struct Proc {
+    child: Child,
+    pub name: String,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Spawns one of the workspace's binaries.
+    pub fn spawn(binary: &str, args: &[String], log_dir: &Path) -> Proc {
+        Self::spawn_path(binary, &bin(binary), args, log_dir)
+    }
+
+    /// Spawns a program from PATH (curl, socat, nginx...).
+    pub fn spawn_program(program: &str, args: &[String], log_dir: &Path) -> Proc {
+        Self::spawn_path(program, Path::new(program), args, log_dir)
+    }
+
+    fn spawn_path(binary: &str, path: &Path, args: &[String], log_dir: &Path) -> Proc {
+        let log = log_dir.join(format!("{binary}-{}.log", super::free_port()));
+        let file = std::fs::File::create(&log).unwrap();
+        let child = Command::new(path)
+            .args(args)
+            .env("RUST_LOG", "debug,h2=info,hyper=info,tower=info,rustls=info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {binary}: {e}"));
+        Proc {
+            child,
+            name: binary.to_owned(),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.pid().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits for the process to exit by itself, up to `limit`.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            eprintln!("---- {} log ({}) ----\n{}", self.name, self.log.display(), self.log_text());
+        }
+    }
+}
+
+/// How the server's frontend listens.
+pub enum Frontend {
+    /// TCP with mTLS on this port.
+    Tcp(u16),
+    /// A Unix socket at this path.
+    Uds(PathBuf),
+}
+
+pub struct Server {
+    pub proc: Proc,
+    pub frontend: Frontend,
+    pub agent_port: u16,
+    pub health_port: u16,
+}
+
+impl Server {
+    /// Starts proxy-server in `mode` with a TCP (mTLS) or UDS frontend and
+    /// agent mTLS; `extra` flags are appended.
+    pub async fn start(dir: &Path, pki: &Pki, mode: &str, uds: bool, extra: &[String]) -> Server {
+        let agent_port = free_port();
+        let health_port = free_port();
+        let mut args = vec![
+            format!("--mode={mode}"),
+            format!("--agent-port={agent_port}"),
+            format!("--health-port={health_port}"),
+            format!("--admin-port={}", free_port()),
+            format!("--cluster-cert={}", pki.server.cert.display()),
+            format!("--cluster-key={}", pki.server.key.display()),
+            format!("--cluster-ca-cert={}", pki.ca.display()),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            "--health-bind-address=127.0.0.1".to_owned(),
+        ];
+        let frontend = if uds {
+            let path = dir.join(format!("frontend-{agent_port}.sock"));
+            args.push(format!("--uds-name={}", path.display()));
+            args.push("--server-port=0".to_owned());
+            Frontend::Uds(path)
+        } else {
+            let port = free_port();
+            args.extend([
+                format!("--server-port={port}"),
+                "--server-bind-address=127.0.0.1".to_owned(),
+                format!("--server-cert={}", pki.server.cert.display()),
+                format!("--server-key={}", pki.server.key.display()),
+                format!("--server-ca-cert={}", pki.ca.display()),
+            ]);
+            Frontend::Tcp(port)
+        };
+        args.extend(extra.iter().cloned());
+        let proc = Proc::spawn("proxy-server", &args, dir);
+        wait_until(Duration::from_secs(10), "proxy-server /healthz", || async {
+            http_get(health_port, "/healthz").await.is_ok_and(|(status, _)| status == 200)
+        })
+        .await;
+        Server {
+            proc,
+            frontend,
+            agent_port,
+            health_port,
+        }
+    }
+
+    pub fn tcp_port(&self) -> u16 {
+        match self.frontend {
+            Frontend::Tcp(port) => port,
+            Frontend::Uds(_) => panic!("server has a UDS frontend"),
+        }
+    }
+
+    pub fn uds_path(&self) -> &Path {
+        match &self.frontend {
+            Frontend::Uds(path) => path,
+            Frontend::Tcp(_) => panic!("server has a TCP frontend"),
+        }
+    }
+
+    /// Waits until `count` agent streams are connected.
+    pub async fn wait_backends(&self, count: u32) {
+        let port = self.health_port;
+        wait_until(Duration::from_secs(15), "agents to connect", || async move {
+            super::scrape::metric(port, "konnectivity_network_proxy_server_ready_backends").await
+                == Some(f64::from(count))
+        })
+        .await;
+    }
+}
+
+pub struct Agent {
+    pub proc: Proc,
+    pub health_port: u16,
+}
+
+impl Agent {
+    /// Starts proxy-agent against a server's agent port, with mTLS.
+    pub fn start(dir: &Path, pki: &Pki, server_agent_port: u16, id: &str, extra: &[String]) -> Agent {
+        let health_port = free_port();
+        let mut args = vec![
+            "--proxy-server-host=127.0.0.1".to_owned(),
+            format!("--proxy-server-port={server_agent_port}"),
+            format!("--ca-cert={}", pki.ca.display()),
+            format!("--agent-cert={}", pki.agent.cert.display()),
+            format!("--agent-key={}", pki.agent.key.display()),
+            format!("--agent-id={id}"),
+            format!("--health-server-port={health_port}"),
+            "--health-server-host=127.0.0.1".to_owned(),
+            format!("--admin-server-port={}", free_port()),
+            // Reconnect quickly in tests.
+            "--sync-interval=100ms".to_owned(),
+            "--sync-interval-cap=500ms".to_owned(),
+        ];
+        args.extend(extra.iter().cloned());
+        Agent {
+            proc: Proc::spawn("proxy-agent", &args, dir),
+            health_port,
+        }
+    }
+}

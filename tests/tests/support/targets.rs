@@ -1,0 +1,186 @@
+//! Target servers the agent dials, on loopback.
+
+use std::net::SocketAddr;
+
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use super::Pattern;
+
+const CHUNK: usize = 64 * 1024;
+
+/// A listening target; stops when dropped.
+pub struct Target {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve<F, Fut>(handler: F) -> Target
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(handler(stream));
+        }
+    });
+    Target { addr, task }
+}
+
+/// An HTTP/1.1 server answering every request with `body`.
+pub async fn http(body: &'static str) -> Target {
+    serve(move |mut stream| async move {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let response = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = stream.write_all(response.as_bytes()).await;
+    })
+    .await
+}
+
+/// A target speaking a tiny test protocol. The client sends one command byte,
+/// a length and a seed (8 bytes each, little endian):
+/// - `P` push: the client then sends `len` bytes; the target answers with
+///   their SHA-256 (the protocol has no half-close, so the length says when
+///   the upload is complete);
+/// - `G` get: the target sends `len` bytes of [`Pattern`];
+/// - `E` echo: the target echoes everything until the client closes.
+pub async fn blob() -> Target {
+    serve(|mut stream| async move {
+        let mut header = [0u8; 17];
+        while stream.read_exact(&mut header).await.is_ok() {
+            let len = u64::from_le_bytes(header[1..9].try_into().unwrap());
+            let seed = u64::from_le_bytes(header[9..17].try_into().unwrap());
+            match header[0] {
+                b'P' => {
+                    let mut hasher = Sha256::new();
+                    let mut buf = vec![0u8; CHUNK];
+                    let mut left = len;
+                    while left > 0 {
+                        let want = left.min(CHUNK as u64) as usize;
+                        match stream.read(&mut buf[..want]).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => {
+                                hasher.update(&buf[..n]);
+                                left -= n as u64;
+                            }
+                        }
+                    }
+                    if stream.write_all(&hasher.finalize()).await.is_err() {
+                        return;
+                    }
+                }
+                b'G' => {
+                    if write_pattern(&mut stream, len, seed).await.is_err() {
+                        return;
+                    }
+                }
+                b'E' => {
+                    let (mut read, mut write) = stream.split();
+                    let _ = tokio::io::copy(&mut read, &mut write).await;
+                    return;
+                }
+                _ => return,
+            }
+        }
+    })
+    .await
+}
+
+/// Writes `len` bytes of the pattern for `seed`, returning their SHA-256.
+pub async fn write_pattern<S: AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<[u8; 32]> {
+    let mut pattern = Pattern::new(seed);
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(CHUNK as u64) as usize;
+        pattern.fill(&mut buf[..n]);
+        hasher.update(&buf[..n]);
+        stream.write_all(&buf[..n]).await?;
+        left -= n as u64;
+    }
+    stream.flush().await?;
+    Ok(hasher.finalize().into())
+}
+
+/// The SHA-256 of `len` pattern bytes for `seed`, as [`write_pattern`] sends them.
+pub fn pattern_digest(len: u64, seed: u64) -> [u8; 32] {
+    let mut pattern = Pattern::new(seed);
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut left = len;
+    while left > 0 {
+        let n = left.min(CHUNK as u64) as usize;
+        pattern.fill(&mut buf[..n]);
+        hasher.update(&buf[..n]);
+        left -= n as u64;
+    }
+    hasher.finalize().into()
+}
+
+fn header(command: u8, len: u64, seed: u64) -> [u8; 17] {
+    let mut header = [0u8; 17];
+    header[0] = command;
+    header[1..9].copy_from_slice(&len.to_le_bytes());
+    header[9..17].copy_from_slice(&seed.to_le_bytes());
+    header
+}
+
+/// Pushes `len` bytes; returns (digest sent, digest the target computed).
+pub async fn push<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<([u8; 32], [u8; 32])> {
+    stream.write_all(&header(b'P', len, seed)).await?;
+    let sent = write_pattern(stream, len, seed).await?;
+    let mut received = [0u8; 32];
+    stream.read_exact(&mut received).await?;
+    Ok((sent, received))
+}
+
+/// Pulls `len` bytes; returns the digest of what arrived. An early end of
+/// stream is an error, so a short transfer cannot pass.
+pub async fn pull<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<[u8; 32]> {
+    request_pull(stream, len, seed).await?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; CHUNK];
+    let mut left = len;
+    while left > 0 {
+        let want = left.min(CHUNK as u64) as usize;
+        let n = stream.read(&mut buf[..want]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        hasher.update(&buf[..n]);
+        left -= n as u64;
+    }
+    Ok(hasher.finalize().into())
+}
+
+/// Asks the target to send `len` pattern bytes, without reading them.
+pub async fn request_pull<S: AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<()> {
+    stream.write_all(&header(b'G', len, seed)).await
+}
+
+/// Starts an echo exchange.
+pub async fn start_echo<S: AsyncWrite + Unpin>(stream: &mut S) -> std::io::Result<()> {
+    stream.write_all(&header(b'E', 0, 0)).await
+}
