@@ -19,17 +19,11 @@ use crate::metrics::{AgentMetrics, DialFailure};
 pub struct DialError(pub String);
 
 /// Dials `address` (`host:port`) within `timeout`.
-pub async fn dial(
-    address: &str,
-    timeout: Duration,
-    metrics: &AgentMetrics,
-) -> Result<TcpStream, DialError> {
+pub async fn dial(address: &str, timeout: Duration, metrics: &AgentMetrics) -> Result<TcpStream, DialError> {
     let started = Instant::now();
     match tokio::time::timeout(timeout, TcpStream::connect(address)).await {
         Ok(Ok(stream)) => {
-            metrics
-                .dial_duration
-                .observe(started.elapsed().as_secs_f64());
+            metrics.dial_duration.observe(started.elapsed().as_secs_f64());
             let _ = stream.set_nodelay(true);
             Ok(stream)
         }

@@ -119,7 +119,9 @@ pub async fn run(
                 .await;
                 tracing::warn!(server_id = %stream.server_id, %reason, "lost proxy-server stream");
             }
-            Err(error) => tracing::warn!(error = %konnectivity_plumbing::error_chain(&error), "cannot connect to proxy-server"),
+            Err(error) => {
+                tracing::warn!(error = %konnectivity_plumbing::error_chain(&error), "cannot connect to proxy-server")
+            }
         }
         tokio::time::sleep(backoff.next_delay()).await;
     }

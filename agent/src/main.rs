@@ -17,9 +17,7 @@ fn main() -> anyhow::Result<()> {
     konnectivity_plumbing::logging::init(args.verbosity, log_file.as_deref())?;
     tracing::info!(?config, "effective configuration");
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
         let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);

@@ -72,8 +72,6 @@ impl AgentMetrics {
             DialFailure::Timeout => "timeout",
             DialFailure::Unknown => "unknown",
         };
-        self.dial_failures
-            .get_or_create(&vec![("reason", reason)])
-            .inc();
+        self.dial_failures.get_or_create(&vec![("reason", reason)]).inc();
     }
 }

@@ -33,10 +33,7 @@ pub enum ConnectError {
         source: tonic::transport::Error,
     },
     #[error("proxy-server {address} refused the agent stream: {status}")]
-    Refused {
-        address: String,
-        status: tonic::Status,
-    },
+    Refused { address: String, status: tonic::Status },
     #[error("proxy-server {address} sent no response headers within {HEADERS_TIMEOUT:?}")]
     HeadersTimeout { address: String },
     #[error("proxy-server {address} sent bad {key:?} metadata: {problem}")]
@@ -113,12 +110,10 @@ impl ServerTarget {
         let metadata = request.metadata_mut();
         metadata.insert(
             AGENT_ID,
-            self.agent_id
-                .parse()
-                .map_err(|_| ConnectError::BadOwnMetadata {
-                    what: "--agent-id",
-                    value: self.agent_id.clone(),
-                })?,
+            self.agent_id.parse().map_err(|_| ConnectError::BadOwnMetadata {
+                what: "--agent-id",
+                value: self.agent_id.clone(),
+            })?,
         );
         if !self.identifiers.is_empty() {
             let text = self.identifiers.to_string();

@@ -111,10 +111,7 @@ where
 
 impl Session {
     async fn send(&self, frame: Frame) -> Result<(), StreamGone> {
-        self.outbound
-            .send(frame.into())
-            .await
-            .map_err(|_| StreamGone)
+        self.outbound.send(frame.into()).await.map_err(|_| StreamGone)
     }
 
     async fn on_packet(&mut self, packet: Packet) -> Result<(), StreamGone> {
@@ -150,8 +147,7 @@ impl Session {
                     Some(_) => None,
                     None => Some(format!("unknown connectID {connect_id}")),
                 };
-                self.send(Frame::CloseResponse { connect_id, error })
-                    .await?;
+                self.send(Frame::CloseResponse { connect_id, error }).await?;
             }
             Frame::CloseDial { dial_id } => {
                 if let Some(dial) = self.dials.remove(&dial_id) {

@@ -7,8 +7,7 @@ use std::time::Duration;
 /// Parses a Go duration: a sequence of decimal numbers with units
 /// (`ns`, `us`, `µs`, `ms`, `s`, `m`, `h`), e.g. `300ms`, `1.5s`, `1h0m0s`, or a bare `0`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let invalid =
-        || format!("invalid duration {text:?} (expected Go form such as 100ms, 1s or 1h0m0s)");
+    let invalid = || format!("invalid duration {text:?} (expected Go form such as 100ms, 1s or 1h0m0s)");
     if text == "0" {
         return Ok(Duration::ZERO);
     }

@@ -16,10 +16,7 @@ pub fn init(verbosity: u32, log_file: Option<&std::path::Path>) -> std::io::Resu
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     match log_file {
         Some(path) => {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)?;
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
             builder
                 .with_ansi(false)
                 .with_writer(std::sync::Mutex::new(file))

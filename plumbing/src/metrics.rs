@@ -14,8 +14,7 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 pub fn encode(registry: &Registry) -> String {
     let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, registry)
-        .expect("writing to a String cannot fail");
+    prometheus_client::encoding::text::encode(&mut text, registry).expect("writing to a String cannot fail");
     text
 }
 
@@ -88,14 +87,10 @@ mod tests {
         packets.inc();
         let text = encode(&registry);
         assert!(
-            text.contains(
-                "konnectivity_network_proxy_server_dial_failure_count{reason=\"no_agent\"} 1\n"
-            ),
+            text.contains("konnectivity_network_proxy_server_dial_failure_count{reason=\"no_agent\"} 1\n"),
             "{text}"
         );
-        assert!(
-            text.contains("# TYPE konnectivity_network_proxy_server_dial_failure_count counter")
-        );
+        assert!(text.contains("# TYPE konnectivity_network_proxy_server_dial_failure_count counter"));
         assert!(text.contains("konnectivity_network_proxy_server_stream_packets_total 1\n"));
     }
 }

@@ -129,14 +129,13 @@ pub fn server_config(
         .expect("ring supports the default protocol versions");
     let builder = match client_ca {
         Some(ca) => {
-            let verifier =
-                WebPkiClientVerifier::builder_with_provider(Arc::new(load_roots(ca)?), provider())
-                    .build()
-                    .map_err(|source| TlsError::Verifier {
-                        flag: ca.flag,
-                        path: ca.path.clone(),
-                        source,
-                    })?;
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(load_roots(ca)?), provider())
+                .build()
+                .map_err(|source| TlsError::Verifier {
+                    flag: ca.flag,
+                    path: ca.path.clone(),
+                    source,
+                })?;
             builder.with_client_cert_verifier(verifier)
         }
         None => builder.with_no_client_auth(),
@@ -242,10 +241,5 @@ pub fn accept_tls(
 /// The server name to verify a peer against: an IP address or a DNS name.
 pub fn server_name(host: &str) -> Result<rustls_pki_types::ServerName<'static>, io::Error> {
     rustls_pki_types::ServerName::try_from(host.trim_matches(|c| c == '[' || c == ']').to_owned())
-        .map_err(|e| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("server name {host:?}: {e}"),
-            )
-        })
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("server name {host:?}: {e}")))
 }

@@ -58,10 +58,9 @@ impl TryFrom<Packet> for Frame {
     type Error = PacketError;
 
     fn try_from(packet: Packet) -> Result<Self, PacketError> {
-        let kind = PacketType::try_from(packet.r#type)
-            .map_err(|_| PacketError::UnknownType(packet.r#type))?;
-        let connect_id =
-            |raw: i64| ConnectId::new(raw).ok_or(PacketError::InvalidConnectId { kind, raw });
+        let kind =
+            PacketType::try_from(packet.r#type).map_err(|_| PacketError::UnknownType(packet.r#type))?;
+        let connect_id = |raw: i64| ConnectId::new(raw).ok_or(PacketError::InvalidConnectId { kind, raw });
         let frame = match (kind, packet.payload) {
             (PacketType::DialReq, Some(Payload::DialRequest(r))) => Frame::DialRequest {
                 protocol: r.protocol,

@@ -39,9 +39,7 @@ async fn generated_clients_use_upstream_paths() {
     assert_eq!(status.code(), tonic::Code::Unimplemented);
 
     let mut agent = AgentServiceClient::new(recording_transport(seen.clone()));
-    let _ = agent
-        .connect(tokio_stream::iter(Vec::<Packet>::new()))
-        .await;
+    let _ = agent.connect(tokio_stream::iter(Vec::<Packet>::new())).await;
 
     assert_eq!(*seen.lock().unwrap(), [PROXY_PATH, AGENT_CONNECT_PATH]);
     assert_eq!(PROXY_PATH, "/ProxyService/Proxy");

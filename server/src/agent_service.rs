@@ -79,9 +79,9 @@ fn identifiers(metadata: &MetadataMap) -> Result<AgentIdentifiers, Status> {
             "metadata {AGENT_IDENTIFIERS:?} given more than once"
         )));
     }
-    let text = value.to_str().map_err(|_| {
-        Status::invalid_argument(format!("metadata {AGENT_IDENTIFIERS:?} is not ASCII"))
-    })?;
+    let text = value
+        .to_str()
+        .map_err(|_| Status::invalid_argument(format!("metadata {AGENT_IDENTIFIERS:?} is not ASCII")))?;
     AgentIdentifiers::parse_lenient(text)
         .map_err(|e| Status::invalid_argument(format!("metadata {AGENT_IDENTIFIERS:?}: {e}")))
 }
@@ -114,23 +114,14 @@ impl AgentService for AgentServer {
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
             let _open = open;
-            session::run(
-                backend,
-                request.into_inner(),
-                commands_rx,
-                registry,
-                metrics,
-            )
-            .await;
+            session::run(backend, request.into_inner(), commands_rx, registry, metrics).await;
         });
 
         // Returning the response sends its headers at once: upstream agents
         // wait for `serverid` before anything else, with no timeout.
         let packets = ReceiverStream::new(outbound_rx).map(Ok);
         let mut response = Response::new(Box::pin(packets) as Self::ConnectStream);
-        response
-            .metadata_mut()
-            .insert(SERVER_ID, self.server_id.clone());
+        response.metadata_mut().insert(SERVER_ID, self.server_id.clone());
         response
             .metadata_mut()
             .insert(SERVER_COUNT, self.server_count.clone());

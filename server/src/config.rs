@@ -173,14 +173,8 @@ fn identity(
     match (pem_file(cert_flag, cert)?, pem_file(key_flag, key)?) {
         (Some(cert), Some(key)) => Ok(Some(Identity { cert, key })),
         (None, None) => Ok(None),
-        (Some(_), None) => Err(invalid(
-            key_flag,
-            format!("must be set when --{cert_flag} is"),
-        )),
-        (None, Some(_)) => Err(invalid(
-            cert_flag,
-            format!("must be set when --{key_flag} is"),
-        )),
+        (Some(_), None) => Err(invalid(key_flag, format!("must be set when --{cert_flag} is"))),
+        (None, Some(_)) => Err(invalid(cert_flag, format!("must be set when --{key_flag} is"))),
     }
 }
 
@@ -197,19 +191,11 @@ fn bind_address(flag: &'static str, value: &str, port: u16) -> Result<SocketAddr
 
 impl Config {
     pub fn from_args(args: &Args) -> Result<Config, ConfigError> {
-        let server_identity = identity(
-            "server-cert",
-            &args.server_cert,
-            "server-key",
-            &args.server_key,
-        )?;
+        let server_identity = identity("server-cert", &args.server_cert, "server-key", &args.server_key)?;
         let server_ca = pem_file("server-ca-cert", &args.server_ca_cert)?;
         let frontend = if args.uds_name.is_empty() {
             if args.server_port == 0 {
-                return Err(invalid(
-                    "server-port",
-                    "must be set when --uds-name is empty",
-                ));
+                return Err(invalid("server-port", "must be set when --uds-name is empty"));
             }
             let client_ca = server_ca.ok_or_else(|| {
                 invalid(
@@ -224,11 +210,7 @@ impl Config {
                 )
             })?;
             FrontendListen::Tcp {
-                addr: bind_address(
-                    "server-bind-address",
-                    &args.server_bind_address,
-                    args.server_port,
-                )?,
+                addr: bind_address("server-bind-address", &args.server_bind_address, args.server_port)?,
                 identity,
                 client_ca,
             }
@@ -279,23 +261,14 @@ impl Config {
         Ok(Config {
             mode: args.mode,
             frontend,
-            agent_addr: bind_address(
-                "agent-bind-address",
-                &args.agent_bind_address,
-                args.agent_port,
-            )?,
+            agent_addr: bind_address("agent-bind-address", &args.agent_bind_address, args.agent_port)?,
             agent_identity,
             agent_client_ca: pem_file("cluster-ca-cert", &args.cluster_ca_cert)?,
             server_id,
             server_count: args.server_count,
             strategies,
-            health_addr: bind_address(
-                "health-bind-address",
-                &args.health_bind_address,
-                args.health_port,
-            )?,
-            backend_dial_timeout: (!args.backend_dial_timeout.is_zero())
-                .then_some(args.backend_dial_timeout),
+            health_addr: bind_address("health-bind-address", &args.health_bind_address, args.health_port)?,
+            backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
             xfr_channel_size: args.xfr_channel_size,
         })
     }

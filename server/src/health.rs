@@ -24,10 +24,7 @@ impl Endpoints for ServerEndpoints {
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "not ready: no agent is connected\n",
                 ),
-                n => Reply::text(
-                    StatusCode::OK,
-                    format!("ok: {n} agent stream(s) connected\n"),
-                ),
+                n => Reply::text(StatusCode::OK, format!("ok: {n} agent stream(s) connected\n")),
             },
             "/metrics" => Reply {
                 status: StatusCode::OK,

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use futures_util::StreamExt;
 use konnectivity_plumbing::tls::{self, TlsError};
 use konnectivity_proto::wire::agent_service_server::AgentServiceServer;
+use konnectivity_proto::wire::proxy_service_server::ProxyServiceServer;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
@@ -26,6 +27,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::agent_service::AgentServer;
 use crate::backend::registry::Registry;
 use crate::config::{Config, FrontendListen, Mode};
+use crate::frontend::grpc::ProxyServer;
 use crate::frontend::{connect, listen};
 use crate::health::ServerEndpoints;
 use crate::metrics::ServerMetrics;
@@ -44,17 +46,26 @@ pub enum ServeError {
     #[error("{0}")]
     Config(String),
     #[error("agent gRPC server failed: {0}")]
-    AgentServer(#[from] tonic::transport::Error),
+    AgentServer(tonic::transport::Error),
+    #[error("frontend gRPC server failed: {0}")]
+    FrontendServer(tonic::transport::Error),
 }
 
 async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServeError::Bind {
-            what,
-            addr: addr.to_string(),
-            source,
-        })
+    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind {
+        what,
+        addr: addr.to_string(),
+        source,
+    })
+}
+
+/// The gRPC frontend's server: ProxyService only, with windows sized for
+/// bulk transfers on a single stream.
+fn grpc_frontend(dialer: Dialer) -> tonic::transport::server::Router {
+    tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(4 * 1024 * 1024))
+        .initial_connection_window_size(Some(16 * 1024 * 1024))
+        .add_service(ProxyServiceServer::new(ProxyServer::new(dialer)))
 }
 
 /// Runs the server until `shutdown` resolves or a listener fails.
@@ -70,16 +81,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let health_task = tokio::spawn(konnectivity_plumbing::http::serve(health, endpoints));
 
     let agent_listener = bind_tcp("agent listener (--agent-port)", config.agent_addr).await?;
-    let agent_tls = tls::server_config(
-        &config.agent_identity,
-        config.agent_client_ca.as_ref(),
-        &[b"h2"],
-    )?;
-    let agent_streams = tls::accept_tls(
-        agent_listener,
-        TlsAcceptor::from(Arc::new(agent_tls)),
-        "agent",
-    );
+    let agent_tls = tls::server_config(&config.agent_identity, config.agent_client_ca.as_ref(), &[b"h2"])?;
+    let agent_streams = tls::accept_tls(agent_listener, TlsAcceptor::from(Arc::new(agent_tls)), "agent");
     let agent_service = AgentServer::new(
         registry.clone(),
         metrics.clone(),
@@ -100,31 +103,62 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         timeout: config.backend_dial_timeout,
         channel_size: config.xfr_channel_size,
     };
-    if config.mode == Mode::Grpc {
-        return Err(ServeError::Config(
-            "--mode grpc is not available yet; use --mode http-connect".to_owned(),
-        ));
-    }
-    let frontend_task = match &config.frontend {
-        FrontendListen::Uds {
-            path,
-            delete_existing,
-        } => {
+    let mut frontend_task = match (&config.mode, &config.frontend) {
+        (
+            Mode::HttpConnect,
+            FrontendListen::Uds {
+                path,
+                delete_existing,
+            },
+        ) => {
             let listener = listen::bind_uds(path, *delete_existing)?;
-            tokio::spawn(listen::accept_uds(listener, move |stream| {
-                connect::serve(stream, dialer.clone())
-            }))
+            tokio::spawn(async move {
+                listen::accept_uds(listener, move |stream| connect::serve(stream, dialer.clone())).await;
+                Ok(())
+            })
         }
-        FrontendListen::Tcp {
-            addr,
-            identity,
-            client_ca,
-        } => {
+        (
+            Mode::HttpConnect,
+            FrontendListen::Tcp {
+                addr,
+                identity,
+                client_ca,
+            },
+        ) => {
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
             let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"])?;
-            tokio::spawn(listen::accept_tls(listener, Arc::new(tls), move |stream| {
-                connect::serve(stream, dialer.clone())
-            }))
+            tokio::spawn(async move {
+                listen::accept_tls(listener, Arc::new(tls), move |stream| {
+                    connect::serve(stream, dialer.clone())
+                })
+                .await;
+                Ok(())
+            })
+        }
+        (
+            Mode::Grpc,
+            FrontendListen::Uds {
+                path,
+                delete_existing,
+            },
+        ) => {
+            let listener = listen::bind_uds(path, *delete_existing)?;
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            tokio::spawn(grpc_frontend(dialer).serve_with_incoming(incoming))
+        }
+        (
+            Mode::Grpc,
+            FrontendListen::Tcp {
+                addr,
+                identity,
+                client_ca,
+            },
+        ) => {
+            let listener = bind_tcp("frontend (--server-port)", *addr).await?;
+            let tls = tls::server_config(identity, Some(client_ca), &[b"h2"])?;
+            let streams = tls::accept_tls(listener, TlsAcceptor::from(Arc::new(tls)), "frontend");
+            let incoming = ReceiverStream::new(streams).map(Ok::<_, std::io::Error>);
+            tokio::spawn(grpc_frontend(dialer).serve_with_incoming(incoming))
         }
     };
     tracing::info!(
@@ -137,7 +171,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
 
     let result = tokio::select! {
         () = shutdown => Ok(()),
-        result = agent_server => result.map_err(ServeError::from),
+        result = agent_server => result.map_err(ServeError::AgentServer),
+        result = &mut frontend_task => match result {
+            Ok(result) => result.map_err(ServeError::FrontendServer),
+            Err(join) => Err(ServeError::Config(format!("frontend task failed: {join}"))),
+        },
     };
     frontend_task.abort();
     health_task.abort();

@@ -139,12 +139,7 @@ impl TunnelConn {
     /// Splits into the half that sends to the agent and the half that
     /// receives from it, so both directions can run at once.
     pub fn split(self) -> (TunnelSender, TunnelReceiver) {
-        (
-            self.sender,
-            TunnelReceiver {
-                events: self.events,
-            },
-        )
+        (self.sender, TunnelReceiver { events: self.events })
     }
 }
 
@@ -212,14 +207,8 @@ mod tests {
         assert_eq!(status("dial tcp 10.0.0.1:80: i/o timeout"), 504);
         assert_eq!(status("context deadline exceeded"), 504);
         assert_eq!(status("dial tcp: socket: too many open files"), 503);
-        assert_eq!(
-            status("dial tcp 127.0.0.1:1: connect: connection refused"),
-            502
-        );
+        assert_eq!(status("dial tcp 127.0.0.1:1: connect: connection refused"), 502);
         assert_eq!(DialError::NoBackend.http_status(), 500);
-        assert_eq!(
-            DialError::Timeout(Duration::from_secs(1)).http_status(),
-            504
-        );
+        assert_eq!(DialError::Timeout(Duration::from_secs(1)).http_status(), 504);
     }
 }

@@ -42,12 +42,27 @@ async fn setup(uds: bool, agent_extra: &[String]) -> Setup {
 async fn assert_gauges_return_to_zero(setup: &Setup) {
     let server = setup.server.health_port;
     let agent = setup.agent.health_port;
-    wait_until(Duration::from_secs(10), "connection gauges to return to 0", || async move {
-        metric(server, "konnectivity_network_proxy_server_established_connections").await == Some(0.0)
-            && metric(server, "konnectivity_network_proxy_server_pending_backend_dials").await == Some(0.0)
-            && metric(server, "konnectivity_network_proxy_server_http_connections").await == Some(0.0)
-            && metric(agent, "konnectivity_network_proxy_agent_open_endpoint_connections").await == Some(0.0)
-    })
+    wait_until(
+        Duration::from_secs(10),
+        "connection gauges to return to 0",
+        || async move {
+            metric(
+                server,
+                "konnectivity_network_proxy_server_established_connections",
+            )
+            .await
+                == Some(0.0)
+                && metric(server, "konnectivity_network_proxy_server_pending_backend_dials").await
+                    == Some(0.0)
+                && metric(server, "konnectivity_network_proxy_server_http_connections").await == Some(0.0)
+                && metric(
+                    agent,
+                    "konnectivity_network_proxy_agent_open_endpoint_connections",
+                )
+                .await
+                    == Some(0.0)
+        },
+    )
     .await;
 }
 
@@ -76,8 +91,15 @@ async fn curl_fetches_a_page_through_the_mtls_tcp_frontend() {
         pki.client.key.display().to_string(),
         format!("http://{}/", target.addr),
     ]);
-    assert!(output.status.success(), "curl failed: {}", String::from_utf8_lossy(&output.stderr));
-    assert_eq!(String::from_utf8_lossy(&output.stdout), "hello through the tunnel\n");
+    assert!(
+        output.status.success(),
+        "curl failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "hello through the tunnel\n"
+    );
     assert_gauges_return_to_zero(&setup).await;
 }
 
@@ -98,7 +120,9 @@ async fn curl_fetches_a_page_through_the_unix_socket_frontend() {
         setup.dir.path(),
     );
     wait_until(Duration::from_secs(5), "socat to listen", || async move {
-        tokio::net::TcpStream::connect(("127.0.0.1", bridge_port)).await.is_ok()
+        tokio::net::TcpStream::connect(("127.0.0.1", bridge_port))
+            .await
+            .is_ok()
     })
     .await;
     let output = curl(&[
@@ -107,7 +131,11 @@ async fn curl_fetches_a_page_through_the_unix_socket_frontend() {
         format!("http://127.0.0.1:{bridge_port}"),
         format!("http://{}/", target.addr),
     ]);
-    assert!(output.status.success(), "curl failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "curl failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&output.stdout), "hello over the socket\n");
 }
 
@@ -142,9 +170,9 @@ async fn five_hundred_concurrent_tunnels_each_exchange_their_own_bytes() {
         let path = setup.server.uds_path().to_owned();
         let address = address.clone();
         tasks.push(tokio::spawn(async move {
-            let mut tunnel = via_uds(&path, &address).await?.map_err(|r| {
-                std::io::Error::other(format!("CONNECT refused: {} {}", r.status, r.body))
-            })?;
+            let mut tunnel = via_uds(&path, &address)
+                .await?
+                .map_err(|r| std::io::Error::other(format!("CONNECT refused: {} {}", r.status, r.body)))?;
             targets::start_echo(&mut tunnel).await?;
             let mut payload = vec![0u8; 32 * 1024];
             support::Pattern::new(i).fill(&mut payload);
@@ -179,14 +207,19 @@ async fn without_agents_connect_answers_500() {
         .expect_err("no agent, no tunnel");
     assert_eq!(refused.status, 500, "{refused:?}");
     assert!(refused.body.contains("No agent available"), "{refused:?}");
-    let (status, body) = support::scrape::http_get(server.health_port, "/readyz").await.unwrap();
+    let (status, body) = support::scrape::http_get(server.health_port, "/readyz")
+        .await
+        .unwrap();
     assert_eq!(status, 500, "{body}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_target_answers_502_naming_the_error() {
     let setup = setup(false, &[]).await;
-    let closed_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let closed_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
     let refused = via_tls(setup.server.tcp_port(), tls, &closed_port.to_string())
         .await
@@ -209,7 +242,9 @@ async fn refused_target_answers_502_naming_the_error() {
 /// so a dial to it hangs until the dialer's timeout.
 fn unanswering_listener() -> (socket2::Socket, std::net::TcpStream, std::net::SocketAddr) {
     let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket.bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into()).unwrap();
+    socket
+        .bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into())
+        .unwrap();
     socket.listen(0).unwrap();
     let addr = socket.local_addr().unwrap().as_socket().unwrap();
     let filler = std::net::TcpStream::connect(addr).unwrap();
@@ -228,14 +263,20 @@ async fn dial_timeout_answers_504() {
         .expect_err("the dial cannot complete");
     assert_eq!(refused.status, 504, "{refused:?}");
     assert!(refused.body.contains("timeout"), "{refused:?}");
-    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
     assert_gauges_return_to_zero(&setup).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn methods_other_than_connect_answer_405() {
     let setup = setup(true, &[]).await;
-    let mut stream = tokio::net::UnixStream::connect(setup.server.uds_path()).await.unwrap();
+    let mut stream = tokio::net::UnixStream::connect(setup.server.uds_path())
+        .await
+        .unwrap();
     stream
         .write_all(b"GET http://127.0.0.1/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         .await
@@ -257,7 +298,9 @@ async fn tcp_clients_without_a_trusted_certificate_are_refused_at_the_handshake(
         let error = result.expect_err("the server must refuse the handshake");
         let text = error.to_string();
         assert!(
-            text.contains("CertificateRequired") || text.contains("certificate") || text.contains("UnknownCA"),
+            text.contains("CertificateRequired")
+                || text.contains("certificate")
+                || text.contains("UnknownCA"),
             "unexpected error: {text}"
         );
     }
@@ -292,7 +335,11 @@ async fn agent_streams_without_agentid_are_refused() {
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
     assert!(status.message().contains("agentid"), "{status:?}");
     assert_eq!(
-        metric(server.health_port, "konnectivity_network_proxy_server_ready_backends").await,
+        metric(
+            server.health_port,
+            "konnectivity_network_proxy_server_ready_backends"
+        )
+        .await,
         Some(0.0)
     );
 }
@@ -327,12 +374,21 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
     })
     .await
     .expect("the client's connection must end promptly, not hang");
-    assert!(end.is_err(), "a broken tunnel must end with an error, not a clean EOF");
+    assert!(
+        end.is_err(),
+        "a broken tunnel must end with an error, not a clean EOF"
+    );
     assert!(killed_at.elapsed() < Duration::from_secs(5));
     setup.server.wait_backends(0).await;
 
     // A new agent process reconnects by itself and serves new tunnels.
-    setup.agent = Agent::start(setup.dir.path(), &setup.pki, setup.server.agent_port, "agent-1", &[]);
+    setup.agent = Agent::start(
+        setup.dir.path(),
+        &setup.pki,
+        setup.server.agent_port,
+        "agent-1",
+        &[],
+    );
     setup.server.wait_backends(1).await;
     let mut tunnel = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string())
         .await

@@ -100,10 +100,7 @@ impl Backend {
     /// Queues a frame for the agent, waiting while the queue is full.
     pub async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
         self.metrics.packet(Segment::ToAgent, frame.kind());
-        self.outbound
-            .send(frame.into())
-            .await
-            .map_err(|_| BackendGone)
+        self.outbound.send(frame.into()).await.map_err(|_| BackendGone)
     }
 
     pub async fn command(&self, command: Command) -> Result<(), BackendGone> {

@@ -151,9 +151,7 @@ impl Session {
                 None if self.closing.contains(&connect_id) => {}
                 None => self.close_on_agent(connect_id).await?,
             },
-            Frame::DialResponse { dial_id, result } => {
-                self.on_dial_response(dial_id, result).await?
-            }
+            Frame::DialResponse { dial_id, result } => self.on_dial_response(dial_id, result).await?,
             Frame::CloseResponse { connect_id, error } => {
                 self.closing.remove(&connect_id);
                 if let Some(connection) = self.connections.remove(&connect_id) {
@@ -191,12 +189,7 @@ impl Session {
                 self.metrics
                     .dial_duration
                     .observe(pending.started.elapsed().as_secs_f64());
-                if pending
-                    .events
-                    .send(Event::Dialed(Ok(connect_id)))
-                    .await
-                    .is_ok()
-                {
+                if pending.events.send(Event::Dialed(Ok(connect_id))).await.is_ok() {
                     self.connections.insert(
                         connect_id,
                         Connection {

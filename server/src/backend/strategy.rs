@@ -62,30 +62,15 @@ pub fn parse_strategies(text: &str) -> Result<Vec<Strategy>, String> {
 /// Picks a backend for a dial to `host`: within the first strategy that has
 /// candidates, a random one that is not draining, or a draining one when
 /// all candidates drain (so a draining fleet still serves).
-pub fn select(
-    strategies: &[Strategy],
-    backends: &[Arc<Backend>],
-    host: &str,
-) -> Option<Arc<Backend>> {
+pub fn select(strategies: &[Strategy], backends: &[Arc<Backend>], host: &str) -> Option<Arc<Backend>> {
     let mut rng = rand::rng();
     for strategy in strategies {
-        let candidates: Vec<&Arc<Backend>> = backends
-            .iter()
-            .filter(|b| strategy.admits(b, host))
-            .collect();
+        let candidates: Vec<&Arc<Backend>> = backends.iter().filter(|b| strategy.admits(b, host)).collect();
         if candidates.is_empty() {
             continue;
         }
-        let serving: Vec<&Arc<Backend>> = candidates
-            .iter()
-            .copied()
-            .filter(|b| !b.is_draining())
-            .collect();
-        let pool = if serving.is_empty() {
-            &candidates
-        } else {
-            &serving
-        };
+        let serving: Vec<&Arc<Backend>> = candidates.iter().copied().filter(|b| !b.is_draining()).collect();
+        let pool = if serving.is_empty() { &candidates } else { &serving };
         return pool.choose(&mut rng).map(|b| Arc::clone(b));
     }
     None
@@ -117,11 +102,7 @@ mod tests {
             parse_strategies("destHost,default").unwrap(),
             [Strategy::DestHost, Strategy::Default]
         );
-        assert!(
-            parse_strategies("destCIDR")
-                .unwrap_err()
-                .contains("destCIDR")
-        );
+        assert!(parse_strategies("destCIDR").unwrap_err().contains("destCIDR"));
         assert!(parse_strategies("default,default").is_err());
         assert!(parse_strategies("").is_err());
     }

@@ -46,9 +46,7 @@ impl RequestError {
     pub fn http_status(&self) -> u16 {
         match self {
             RequestError::NotConnect(_) => 405,
-            RequestError::Malformed(_) | RequestError::BadTarget(_) | RequestError::Incomplete => {
-                400
-            }
+            RequestError::Malformed(_) | RequestError::BadTarget(_) | RequestError::Incomplete => 400,
             RequestError::TooLarge => 431,
             RequestError::Timeout => 408,
         }
@@ -104,11 +102,7 @@ fn validate_target(target: &str) -> Result<(), RequestError> {
     let host_ok = !host.is_empty()
         && (!host.contains(':') || (host.starts_with('[') && host.ends_with(']')))
         && !host.contains(['/', ' ', '@']);
-    if port_ok && host_ok {
-        Ok(())
-    } else {
-        Err(bad())
-    }
+    if port_ok && host_ok { Ok(()) } else { Err(bad()) }
 }
 
 /// Reads the request head, bounded in size and time.
@@ -279,24 +273,12 @@ mod tests {
 
     #[test]
     fn bad_targets_are_400() {
-        for target in [
-            "nohost",
-            ":80",
-            "a:0",
-            "a:99999",
-            "a:x",
-            "fd00::1:80",
-            "a/b:80",
-        ] {
+        for target in ["nohost", ":80", "a:0", "a:99999", "a:x", "fd00::1:80", "a/b:80"] {
             let error = parse(&format!("CONNECT {target} HTTP/1.1\r\n\r\n")).unwrap_err();
             assert_eq!(error, RequestError::BadTarget(target.into()), "{target}");
             assert_eq!(error.http_status(), 400);
         }
-        assert!(
-            parse("CONNECT [fd00::1]:443 HTTP/1.1\r\n\r\n")
-                .unwrap()
-                .is_some()
-        );
+        assert!(parse("CONNECT [fd00::1]:443 HTTP/1.1\r\n\r\n").unwrap().is_some());
     }
 
     #[test]

@@ -51,8 +51,7 @@ where
     F: Fn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let mut accepted =
-        konnectivity_plumbing::tls::accept_tls(listener, TlsAcceptor::from(tls), "frontend");
+    let mut accepted = konnectivity_plumbing::tls::accept_tls(listener, TlsAcceptor::from(tls), "frontend");
     while let Some(stream) = accepted.recv().await {
         tokio::spawn(serve(stream));
     }

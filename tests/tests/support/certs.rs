@@ -4,8 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair,
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -74,8 +73,20 @@ impl Pki {
                 ExtendedKeyUsagePurpose::ServerAuth,
                 &authority,
             ),
-            agent: leaf(dir, "proxy-agent", &[], ExtendedKeyUsagePurpose::ClientAuth, &authority),
-            client: leaf(dir, "kube-apiserver", &[], ExtendedKeyUsagePurpose::ClientAuth, &authority),
+            agent: leaf(
+                dir,
+                "proxy-agent",
+                &[],
+                ExtendedKeyUsagePurpose::ClientAuth,
+                &authority,
+            ),
+            client: leaf(
+                dir,
+                "kube-apiserver",
+                &[],
+                ExtendedKeyUsagePurpose::ClientAuth,
+                &authority,
+            ),
             stranger: leaf(dir, "stranger", &[], ExtendedKeyUsagePurpose::ClientAuth, &other),
         }
     }
@@ -86,12 +97,11 @@ impl Pki {
         for cert in CertificateDer::pem_file_iter(&self.ca).unwrap() {
             roots.add(cert.unwrap()).unwrap();
         }
-        let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots);
+        let builder =
+            rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots);
         let mut config = match identity {
             Some(files) => builder
                 .with_client_auth_cert(

@@ -104,7 +104,12 @@ impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
         if std::thread::panicking() {
-            eprintln!("---- {} log ({}) ----\n{}", self.name, self.log.display(), self.log_text());
+            eprintln!(
+                "---- {} log ({}) ----\n{}",
+                self.name,
+                self.log.display(),
+                self.log_text()
+            );
         }
     }
 }
@@ -160,7 +165,9 @@ impl Server {
         args.extend(extra.iter().cloned());
         let proc = Proc::spawn("proxy-server", &args, dir);
         wait_until(Duration::from_secs(10), "proxy-server /healthz", || async {
-            http_get(health_port, "/healthz").await.is_ok_and(|(status, _)| status == 200)
+            http_get(health_port, "/healthz")
+                .await
+                .is_ok_and(|(status, _)| status == 200)
         })
         .await;
         Server {

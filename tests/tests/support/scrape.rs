@@ -15,7 +15,10 @@ pub async fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
         .get(9..12)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| std::io::Error::other(format!("bad response {response:?}")))?;
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     Ok((status, body))
 }
 

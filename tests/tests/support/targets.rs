@@ -108,7 +108,11 @@ pub async fn blob() -> Target {
 }
 
 /// Writes `len` bytes of the pattern for `seed`, returning their SHA-256.
-pub async fn write_pattern<S: AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<[u8; 32]> {
+pub async fn write_pattern<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    len: u64,
+    seed: u64,
+) -> std::io::Result<[u8; 32]> {
     let mut pattern = Pattern::new(seed);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; CHUNK];
@@ -148,7 +152,11 @@ fn header(command: u8, len: u64, seed: u64) -> [u8; 17] {
 }
 
 /// Pushes `len` bytes; returns (digest sent, digest the target computed).
-pub async fn push<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<([u8; 32], [u8; 32])> {
+pub async fn push<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    len: u64,
+    seed: u64,
+) -> std::io::Result<([u8; 32], [u8; 32])> {
     stream.write_all(&header(b'P', len, seed)).await?;
     let sent = write_pattern(stream, len, seed).await?;
     let mut received = [0u8; 32];
@@ -158,7 +166,11 @@ pub async fn push<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, len: u64, s
 
 /// Pulls `len` bytes; returns the digest of what arrived. An early end of
 /// stream is an error, so a short transfer cannot pass.
-pub async fn pull<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<[u8; 32]> {
+pub async fn pull<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    len: u64,
+    seed: u64,
+) -> std::io::Result<[u8; 32]> {
     request_pull(stream, len, seed).await?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; CHUNK];

@@ -1,0 +1,192 @@
+//! The gRPC ProxyService frontend, as kube-apiserver's `GRPC` egress uses it:
+//! one `Proxy` stream per connection. The first DIAL_REQ pins the stream to a
+//! backend; then DATA flows both ways and CLOSE_REQ/CLOSE_RSP end it.
+//!
+//! The dial itself and the data path are the same [`Dialer`] and tunnel as
+//! the HTTP CONNECT frontend uses; only the framing towards the client differs.
+
+use std::pin::Pin;
+
+use futures_util::{Stream, StreamExt};
+use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_proto::wire::proxy_service_server::ProxyService;
+use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::tunnel::{DialError, Dialer, RemoteEnd, TunnelConn};
+
+/// Packets queued towards one frontend client.
+const TO_CLIENT_QUEUE: usize = 64;
+
+pub struct ProxyServer {
+    dialer: Dialer,
+}
+
+impl ProxyServer {
+    pub fn new(dialer: Dialer) -> Self {
+        ProxyServer { dialer }
+    }
+}
+
+#[tonic::async_trait]
+impl ProxyService for ProxyServer {
+    type ProxyStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+
+    async fn proxy(
+        &self,
+        request: Request<Streaming<Packet>>,
+    ) -> Result<Response<Self::ProxyStream>, Status> {
+        let (to_client, packets) = mpsc::channel(TO_CLIENT_QUEUE);
+        let dialer = self.dialer.clone();
+        let open = GaugeGuard::new(&dialer.metrics.grpc_connections("Proxy"));
+        tokio::spawn(async move {
+            let _open = open;
+            let mut stream = ClientStream {
+                inbound: request.into_inner(),
+                to_client,
+            };
+            stream.serve(&dialer).await;
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(packets).map(Ok))))
+    }
+}
+
+/// One client's Proxy stream.
+struct ClientStream {
+    inbound: Streaming<Packet>,
+    to_client: mpsc::Sender<Packet>,
+}
+
+/// The client's stream is gone (it ended, failed, or stopped reading).
+struct ClientGone;
+
+impl ClientStream {
+    async fn send(&self, frame: Frame) -> Result<(), ClientGone> {
+        self.to_client.send(frame.into()).await.map_err(|_| ClientGone)
+    }
+
+    /// The next valid frame from the client; `None` when its stream ended.
+    async fn next_frame(&mut self) -> Option<Frame> {
+        loop {
+            match self.inbound.next().await? {
+                Ok(packet) => match Frame::try_from(packet) {
+                    Ok(frame) => return Some(frame),
+                    Err(error) => tracing::warn!(%error, "invalid packet from frontend client"),
+                },
+                Err(status) => {
+                    tracing::debug!(%status, "frontend stream failed");
+                    return None;
+                }
+            }
+        }
+    }
+
+    async fn serve(&mut self, dialer: &Dialer) {
+        // Until the first DIAL_REQ there is nothing to do.
+        let (address, dial_id) = loop {
+            match self.next_frame().await {
+                Some(Frame::DialRequest {
+                    protocol,
+                    address,
+                    dial_id,
+                }) => {
+                    if protocol == "tcp" {
+                        break (address, dial_id);
+                    }
+                    let error = format!("unsupported protocol {protocol:?}: only \"tcp\" is served");
+                    let _ = self
+                        .send(Frame::DialResponse {
+                            dial_id,
+                            result: Err(error),
+                        })
+                        .await;
+                    return;
+                }
+                Some(other) => tracing::warn!(kind = ?other.kind(), "frontend sent a packet before DIAL_REQ"),
+                None => return,
+            }
+        };
+        let Some(connection) = self.dial(dialer, &address, dial_id).await else {
+            return;
+        };
+        let _ = self.relay(connection).await;
+    }
+
+    /// Dials while watching the client: DIAL_CLS or the stream ending cancels
+    /// the dial (dropping the dial future sends DIAL_CLS to the agent, which
+    /// closes the connection if it was already made).
+    async fn dial(&mut self, dialer: &Dialer, address: &str, dial_id: DialId) -> Option<TunnelConn> {
+        let dial = dialer.dial(address, dial_id);
+        tokio::pin!(dial);
+        let result = loop {
+            tokio::select! {
+                result = &mut dial => break result,
+                frame = self.next_frame() => match frame {
+                    Some(Frame::CloseDial { dial_id: cancelled }) if cancelled == dial_id => return None,
+                    Some(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet while dialing"),
+                    None => return None,
+                },
+            }
+        };
+        match result {
+            Ok(connection) => {
+                let answer = Frame::DialResponse {
+                    dial_id,
+                    result: Ok(connection.connect_id),
+                };
+                self.send(answer).await.ok()?;
+                Some(connection)
+            }
+            Err(error) => {
+                if !matches!(error, DialError::NoBackend) {
+                    tracing::info!(%address, %error, "gRPC dial failed");
+                }
+                let answer = Frame::DialResponse {
+                    dial_id,
+                    result: Err(error.to_string()),
+                };
+                let _ = self.send(answer).await;
+                None
+            }
+        }
+    }
+
+    /// Moves bytes until either side closes. Dropping the tunnel's sender on
+    /// the way out closes the connection on the agent.
+    async fn relay(&mut self, connection: TunnelConn) -> Result<(), ClientGone> {
+        let connect_id = connection.connect_id;
+        let (sender, mut receiver) = connection.split();
+        loop {
+            tokio::select! {
+                frame = self.next_frame() => match frame {
+                    Some(Frame::Data { connect_id: id, data }) if id == connect_id => {
+                        if sender.send(data).await.is_err() {
+                            return self.close(connect_id, Some("agent disconnected".to_owned())).await;
+                        }
+                    }
+                    Some(Frame::Data { connect_id: foreign, .. }) => {
+                        // A client mixing up ids could read or write someone
+                        // else's connection: end this one instead.
+                        let error = format!("DATA for connectID {foreign} on the stream of connectID {connect_id}");
+                        tracing::warn!(%error, "closing frontend stream");
+                        return self.close(connect_id, Some(error)).await;
+                    }
+                    Some(Frame::CloseRequest { .. }) => return self.close(connect_id, None).await,
+                    Some(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream"),
+                    None => return Ok(()),
+                },
+                received = receiver.recv() => match received {
+                    Ok(data) => self.send(Frame::Data { connect_id, data }).await?,
+                    Err(RemoteEnd::Closed) => return self.close(connect_id, None).await,
+                    Err(RemoteEnd::Failed(error)) => return self.close(connect_id, Some(error)).await,
+                },
+            }
+        }
+    }
+
+    async fn close(&self, connect_id: ConnectId, error: Option<String>) -> Result<(), ClientGone> {
+        self.send(Frame::CloseResponse { connect_id, error }).await
+    }
+}
