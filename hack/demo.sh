@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A local demo of the egress tunnel on loopback:
-#   curl --proxy https://127.0.0.1:$FRONTEND_PORT (mTLS) → proxy-server → proxy-agent (mTLS) → web page
+# A local demo of the egress tunnel on loopback, in both of kube-apiserver's modes:
+#   curl --proxy https://127.0.0.1:$FRONTEND_PORT (HTTP CONNECT, mTLS) → proxy-server → proxy-agent (mTLS) → web page
+#   proxy-test-client (gRPC over a Unix socket)   → proxy-server → proxy-agent (mTLS) → web page
 # Builds the binaries, makes throwaway certificates, starts a web server,
 # proxy-server and proxy-agent, fetches the page through the tunnel and
 # stops everything again. Run as root on Debian: bash hack/demo.sh
@@ -12,6 +13,9 @@ AGENT_PORT=${AGENT_PORT:-18091}
 SERVER_HEALTH_PORT=${SERVER_HEALTH_PORT:-18092}
 AGENT_HEALTH_PORT=${AGENT_HEALTH_PORT:-18093}
 WEB_PORT=${WEB_PORT:-18080}
+GRPC_AGENT_PORT=${GRPC_AGENT_PORT:-18191}
+GRPC_SERVER_HEALTH_PORT=${GRPC_SERVER_HEALTH_PORT:-18192}
+GRPC_AGENT_HEALTH_PORT=${GRPC_AGENT_HEALTH_PORT:-18193}
 
 need=()
 for tool in curl openssl python3; do command -v "$tool" >/dev/null || need+=("$tool"); done
@@ -57,9 +61,22 @@ pids+=($!)
   --agent-id=demo-agent --health-server-port="$AGENT_HEALTH_PORT" --health-server-host=127.0.0.1 >"$work/agent.log" 2>&1 &
 pids+=($!)
 
-echo "== waiting for the web server and for the agent to connect"
+# A second pair in gRPC mode, its frontend on a Unix socket as beside kube-apiserver.
+"$bin/proxy-server" --mode=grpc --uds-name="$work/konnectivity-server.socket" --server-port=0 \
+  --agent-port="$GRPC_AGENT_PORT" --agent-bind-address=127.0.0.1 \
+  --cluster-cert="$certs/server.crt" --cluster-key="$certs/server.key" --cluster-ca-cert="$certs/ca.crt" \
+  --health-port="$GRPC_SERVER_HEALTH_PORT" --health-bind-address=127.0.0.1 >"$work/grpc-server.log" 2>&1 &
+pids+=($!)
+"$bin/proxy-agent" --proxy-server-host=127.0.0.1 --proxy-server-port="$GRPC_AGENT_PORT" \
+  --ca-cert="$certs/ca.crt" --agent-cert="$certs/agent.crt" --agent-key="$certs/agent.key" \
+  --agent-id=demo-grpc-agent --health-server-port="$GRPC_AGENT_HEALTH_PORT" --health-server-host=127.0.0.1 >"$work/grpc-agent.log" 2>&1 &
+pids+=($!)
+
+echo "== waiting for the web server and for the agents to connect"
 for _ in $(seq 100); do
-  curl -sf "http://127.0.0.1:$WEB_PORT/" >/dev/null && curl -sf "http://127.0.0.1:$SERVER_HEALTH_PORT/readyz" >/dev/null && break
+  curl -sf "http://127.0.0.1:$WEB_PORT/" >/dev/null \
+    && curl -sf "http://127.0.0.1:$SERVER_HEALTH_PORT/readyz" >/dev/null \
+    && curl -sf "http://127.0.0.1:$GRPC_SERVER_HEALTH_PORT/readyz" >/dev/null && break
   sleep 0.1
 done
 curl -sS "http://127.0.0.1:$SERVER_HEALTH_PORT/readyz"
@@ -68,6 +85,10 @@ echo "== curl through the tunnel (HTTP CONNECT over mTLS)"
 curl -sS --fail --proxytunnel --proxy "https://127.0.0.1:$FRONTEND_PORT" \
   --proxy-cacert "$certs/ca.crt" --proxy-cert "$certs/client.crt" --proxy-key "$certs/client.key" \
   "http://127.0.0.1:$WEB_PORT/index.html"
+
+echo "== proxy-test-client through the tunnel (gRPC ProxyService over the Unix socket)"
+"$bin/proxy-test-client" --mode=grpc --proxy-uds="$work/konnectivity-server.socket" \
+  --request-host=127.0.0.1 --request-port="$WEB_PORT" --request-path=/index.html | tail -n 1
 
 echo "== server metrics after the request"
 curl -sS "http://127.0.0.1:$SERVER_HEALTH_PORT/metrics" | grep -E '^konnectivity_network_proxy_server_(established_connections|ready_backends|stream_packets_total\{segment="from_agent",packet_type="DATA"\}) '

@@ -18,6 +18,16 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
+# A second, independent gRPC implementation for the protocol tests.
+if ! python3 -c 'import grpc, grpc_tools' 2>/dev/null; then
+  echo "== installing grpcio and grpcio-tools (PyPI)"
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
+  fi
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    'grpcio>=1.60,<2' 'grpcio-tools>=1.60,<2'
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"

@@ -31,11 +31,15 @@ impl Endpoints for AgentEndpoints {
                     Reply::text(StatusCode::OK, "ok")
                 }
             }
-            "/metrics" => Reply {
-                status: StatusCode::OK,
-                content_type: metrics::CONTENT_TYPE,
-                body: metrics::encode(&self.metrics.registry),
-            },
+            "/metrics" => {
+                let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+                self.metrics.alive_tasks.set(tasks as i64);
+                Reply {
+                    status: StatusCode::OK,
+                    content_type: metrics::CONTENT_TYPE,
+                    body: metrics::encode(&self.metrics.registry),
+                }
+            }
             _ => Reply::not_found(),
         }
     }

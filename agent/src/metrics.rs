@@ -24,6 +24,8 @@ pub struct AgentMetrics {
     pub open_server_connections: Gauge,
     pub open_endpoint_connections: Gauge,
     pub dial_duration: Histogram,
+    /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
+    pub alive_tasks: Gauge,
     dial_failures: Family<Labels, Counter>,
 }
 
@@ -34,6 +36,12 @@ impl Default for AgentMetrics {
         let open_endpoint_connections = Gauge::default();
         let dial_duration = Histogram::new(LATENCY_BUCKETS);
         let dial_failures = Family::<Labels, Counter>::default();
+        let alive_tasks = Gauge::default();
+        registry.register(
+            "runtime_alive_tasks",
+            "Tasks alive in the agent's async runtime",
+            alive_tasks.clone(),
+        );
         registry.register(
             "open_server_connections",
             "Current number of open connections to proxy-servers",
@@ -61,6 +69,7 @@ impl Default for AgentMetrics {
             open_server_connections,
             open_endpoint_connections,
             dial_duration,
+            alive_tasks,
             dial_failures,
         }
     }

@@ -71,6 +71,8 @@ pub struct ServerMetrics {
     pub ready_backends: Gauge,
     pub dial_duration: Histogram,
     pub stream_errors: Counter,
+    /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
+    pub alive_tasks: Gauge,
     grpc_connections: Family<Labels, Gauge>,
     dial_failures: Family<Labels, UnsuffixedCounter>,
     /// Counters resolved once, indexed by segment then packet type, so the
@@ -90,6 +92,7 @@ impl Default for ServerMetrics {
             ready_backends: Gauge::default(),
             dial_duration: Histogram::new(LATENCY_BUCKETS),
             stream_errors: Counter::default(),
+            alive_tasks: Gauge::default(),
             grpc_connections: Family::default(),
             dial_failures: Family::default(),
             packet_counters: Default::default(),
@@ -137,6 +140,11 @@ impl Default for ServerMetrics {
             "stream_errors",
             "Packets and streams rejected as invalid",
             metrics.stream_errors.clone(),
+        );
+        registry.register(
+            "runtime_alive_tasks",
+            "Tasks alive in the server's async runtime",
+            metrics.alive_tasks.clone(),
         );
         registry.register(
             "grpc_connections",

@@ -7,6 +7,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use support::certs::Pki;
+use support::cluster::{Setup, unanswering_listener};
 use support::connect::{via_tls, via_uds};
 use support::procs::{Agent, Server};
 use support::scrape::metric;
@@ -16,54 +17,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const GIB: u64 = 1024 * 1024 * 1024;
 
-/// A server (HTTP CONNECT) with one connected agent.
-struct Setup {
-    dir: TempDir,
-    pki: Pki,
-    server: Server,
-    agent: Agent,
-}
-
 async fn setup(uds: bool, agent_extra: &[String]) -> Setup {
-    let dir = TempDir::new("konn-egress");
-    let pki = Pki::new(dir.path());
-    let server = Server::start(dir.path(), &pki, "http-connect", uds, &[]).await;
-    let agent = Agent::start(dir.path(), &pki, server.agent_port, "agent-1", agent_extra);
-    server.wait_backends(1).await;
-    Setup {
-        dir,
-        pki,
-        server,
-        agent,
-    }
+    Setup::start("http-connect", uds, agent_extra).await
 }
 
-/// Waits until the server's and agent's connection gauges read zero.
 async fn assert_gauges_return_to_zero(setup: &Setup) {
-    let server = setup.server.health_port;
-    let agent = setup.agent.health_port;
-    wait_until(
-        Duration::from_secs(10),
-        "connection gauges to return to 0",
-        || async move {
-            metric(
-                server,
-                "konnectivity_network_proxy_server_established_connections",
-            )
-            .await
-                == Some(0.0)
-                && metric(server, "konnectivity_network_proxy_server_pending_backend_dials").await
-                    == Some(0.0)
-                && metric(server, "konnectivity_network_proxy_server_http_connections").await == Some(0.0)
-                && metric(
-                    agent,
-                    "konnectivity_network_proxy_agent_open_endpoint_connections",
-                )
-                .await
-                    == Some(0.0)
-        },
-    )
-    .await;
+    setup.assert_gauges_return_to_zero().await;
 }
 
 fn curl(args: &[String]) -> std::process::Output {
@@ -236,19 +195,6 @@ async fn refused_target_answers_502_naming_the_error() {
     .await;
     assert_eq!(failures, Some(1.0));
     assert_gauges_return_to_zero(&setup).await;
-}
-
-/// A listener whose accept queue is full: the kernel drops further SYNs,
-/// so a dial to it hangs until the dialer's timeout.
-fn unanswering_listener() -> (socket2::Socket, std::net::TcpStream, std::net::SocketAddr) {
-    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    socket
-        .bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into())
-        .unwrap();
-    socket.listen(0).unwrap();
-    let addr = socket.local_addr().unwrap().as_socket().unwrap();
-    let filler = std::net::TcpStream::connect(addr).unwrap();
-    (socket, filler, addr)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod certs;
+pub mod cluster;
 pub mod connect;
 pub mod procs;
 pub mod scrape;

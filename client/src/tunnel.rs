@@ -1,0 +1,191 @@
+//! The connection to the server and the dial handshake.
+
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use konnectivity_proto::wire::proxy_service_client::ProxyServiceClient;
+use konnectivity_proto::{DialId, Frame, Packet};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::mpsc;
+use tokio_rustls::TlsConnector;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::stream::TunnelStream;
+
+/// Packets queued towards the server on one stream.
+pub(crate) const OUTBOUND_QUEUE: usize = 64;
+/// The server's text for "no backend", as upstream servers write it.
+const NO_AGENT: &str = "No agent available";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("connecting to the proxy-server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("proxy-server name {0:?} is not a valid DNS name or IP address")]
+    ServerName(String),
+}
+
+/// Why a dial produced no connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DialError {
+    #[error("no agent available on the proxy-server")]
+    NoAgent,
+    /// The agent (or server) reported the dial failed; its text unchanged.
+    #[error("dial failed: {0}")]
+    Failed(String),
+    #[error("dial timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("tunnel closed: {0}")]
+    TunnelClosed(String),
+}
+
+/// One HTTP/2 connection to a proxy-server's ProxyService.
+#[derive(Clone)]
+pub struct Tunnel {
+    client: ProxyServiceClient<Channel>,
+    dial_timeout: Duration,
+}
+
+fn endpoint() -> Endpoint {
+    // The URI only fills :authority; the connectors below do the dialing.
+    Endpoint::from_static("http://konnectivity")
+        .initial_stream_window_size(Some(4 * 1024 * 1024))
+        .initial_connection_window_size(Some(16 * 1024 * 1024))
+}
+
+impl Tunnel {
+    /// Connects over a Unix socket (`--uds-name` of the server).
+    pub async fn connect_uds(path: impl AsRef<Path>) -> Result<Tunnel, ConnectError> {
+        let path = path.as_ref().to_owned();
+        let channel = endpoint()
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move { Ok::<_, io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+            }))
+            .await?;
+        Ok(Tunnel::new(channel))
+    }
+
+    /// Connects over TCP with TLS; `tls` should carry a client certificate,
+    /// since servers require mTLS on TCP frontends. ALPN is set to `h2`.
+    pub async fn connect_tls(
+        host: &str,
+        port: u16,
+        tls: Arc<rustls::ClientConfig>,
+    ) -> Result<Tunnel, ConnectError> {
+        let mut tls = (*tls).clone();
+        tls.alpn_protocols = vec![b"h2".to_vec()];
+        let connector = TlsConnector::from(Arc::new(tls));
+        let name = konnectivity_plumbing::tls::server_name(host)
+            .map_err(|_| ConnectError::ServerName(host.to_owned()))?;
+        let host = host.trim_matches(['[', ']']).to_owned();
+        let channel = endpoint()
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let (connector, name, host) = (connector.clone(), name.clone(), host.clone());
+                async move {
+                    let tcp = TcpStream::connect((host.as_str(), port)).await?;
+                    tcp.set_nodelay(true)?;
+                    Ok::<_, io::Error>(TokioIo::new(connector.connect(name, tcp).await?))
+                }
+            }))
+            .await?;
+        Ok(Tunnel::new(channel))
+    }
+
+    fn new(channel: Channel) -> Tunnel {
+        Tunnel {
+            client: ProxyServiceClient::new(channel),
+            dial_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// How long [`Tunnel::dial`] waits for the DIAL_RSP (default 30 s, the
+    /// backstop upstream's client uses).
+    pub fn with_dial_timeout(mut self, timeout: Duration) -> Tunnel {
+        self.dial_timeout = timeout;
+        self
+    }
+
+    /// Dials `address` (`host:port`) through the server and an agent.
+    ///
+    /// Dropping the returned future before it completes cancels the dial:
+    /// the server gets DIAL_CLS and closes the agent's connection if it was
+    /// already made.
+    pub async fn dial(&self, address: &str) -> Result<TunnelStream, DialError> {
+        let dial_id = DialId::random();
+        let (outbound, outbound_rx) = mpsc::channel::<Packet>(OUTBOUND_QUEUE);
+        let request = Frame::DialRequest {
+            protocol: "tcp".to_owned(),
+            address: address.to_owned(),
+            dial_id,
+        };
+        outbound.try_send(request.into()).expect("a fresh queue has room");
+        let cancel = CancelOnDrop {
+            outbound: &outbound,
+            dial_id,
+            armed: true,
+        };
+        let handshake = async {
+            let response = self
+                .client
+                .clone()
+                .proxy(ReceiverStream::new(outbound_rx))
+                .await
+                .map_err(|status| DialError::TunnelClosed(status.to_string()))?;
+            let mut inbound = response.into_inner();
+            loop {
+                let packet = inbound
+                    .message()
+                    .await
+                    .map_err(|status| DialError::TunnelClosed(status.to_string()))?
+                    .ok_or_else(|| DialError::TunnelClosed("stream ended before DIAL_RSP".to_owned()))?;
+                match Frame::try_from(packet) {
+                    Ok(Frame::DialResponse { dial_id: id, result }) if id == dial_id => {
+                        return match result {
+                            Ok(connect_id) => Ok((connect_id, inbound)),
+                            Err(error) if error == NO_AGENT => Err(DialError::NoAgent),
+                            Err(error) => Err(DialError::Failed(error)),
+                        };
+                    }
+                    Ok(other) => {
+                        tracing::warn!(kind = ?other.kind(), "unexpected packet before DIAL_RSP")
+                    }
+                    Err(error) => tracing::warn!(%error, "invalid packet before DIAL_RSP"),
+                }
+            }
+        };
+        let answer = tokio::time::timeout(self.dial_timeout, handshake).await;
+        // Any answer ends the dial on the server; only a timeout leaves it
+        // pending there and needs the DIAL_CLS.
+        let mut cancel = cancel;
+        cancel.armed = answer.is_err();
+        drop(cancel);
+        let (connect_id, inbound) = answer.map_err(|_| DialError::Timeout(self.dial_timeout))??;
+        Ok(TunnelStream::new(connect_id, outbound, inbound))
+    }
+}
+
+/// Sends DIAL_CLS when a dial is abandoned (timeout, error, or the caller
+/// dropping the future).
+struct CancelOnDrop<'a> {
+    outbound: &'a mpsc::Sender<Packet>,
+    dial_id: DialId,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.outbound.try_send(
+                Frame::CloseDial {
+                    dial_id: self.dial_id,
+                }
+                .into(),
+            );
+        }
+    }
+}

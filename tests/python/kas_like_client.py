@@ -1,0 +1,107 @@
+"""A second, independent gRPC implementation (Python grpcio) driving proxy-server's
+ProxyService the way kube-apiserver does: a new gRPC connection and one Proxy stream
+per dial. Stubs are generated at run time by grpcio-tools from the project's own
+.proto files. Exits non-zero, naming the step, on any deviation from the protocol.
+
+usage: kas_like_client.py PROTO_DIR UDS_PATH ECHO_TARGET CLOSED_TARGET
+"""
+
+import os
+import queue
+import random
+import sys
+import tempfile
+
+import grpc
+from grpc_tools import protoc
+
+
+def load_stubs(proto_dir):
+    out = tempfile.mkdtemp(prefix="konn-stubs-")
+    for name in ("client.proto", "agent.proto"):
+        rc = protoc.main(["protoc", f"-I{proto_dir}", f"--python_out={out}", f"--grpc_python_out={out}",
+                          os.path.join(proto_dir, name)])
+        if rc != 0:
+            sys.exit(f"protoc failed on {name}")
+    sys.path.insert(0, out)
+    import client_pb2
+    import client_pb2_grpc
+    return client_pb2, client_pb2_grpc
+
+
+def expect(condition, what):
+    if not condition:
+        sys.exit(f"FAIL: {what}")
+
+
+class Stream:
+    """One Proxy stream on its own channel, fed from a queue."""
+
+    def __init__(self, pb, pb_grpc, uds):
+        self.pb = pb
+        self.requests = queue.Queue()
+        # gRPC core would send the socket path as :authority, which HTTP/2
+        # servers may refuse as malformed; name the host as Go clients do.
+        self.channel = grpc.insecure_channel(f"unix://{uds}", options=[("grpc.default_authority", "localhost")])
+        stub = pb_grpc.ProxyServiceStub(self.channel)
+        self.responses = stub.Proxy(iter(self.requests.get, None), timeout=20)
+
+    def send(self, packet):
+        self.requests.put(packet)
+
+    def recv(self):
+        return next(self.responses)
+
+    def close(self):
+        self.requests.put(None)
+        self.channel.close()
+
+
+def dial(pb, stream, address):
+    dial_id = random.randint(1, 2**62)
+    stream.send(pb.Packet(type=pb.DIAL_REQ, dialRequest=pb.DialRequest(protocol="tcp", address=address, random=dial_id)))
+    rsp = stream.recv()
+    expect(rsp.type == pb.DIAL_RSP and rsp.WhichOneof("payload") == "dialResponse", f"DIAL_RSP expected, got {rsp}")
+    expect(rsp.dialResponse.random == dial_id, "DIAL_RSP echoes the request's random")
+    return rsp.dialResponse
+
+
+def main():
+    proto_dir, uds, echo_target, closed_target = sys.argv[1:5]
+    pb, pb_grpc = load_stubs(proto_dir)
+
+    # 1. A successful dial, data both ways, and a client close.
+    for round_ in range(3):
+        stream = Stream(pb, pb_grpc, uds)
+        rsp = dial(pb, stream, echo_target)
+        expect(rsp.error == "", f"dial succeeded (error {rsp.error!r})")
+        expect(rsp.connectID > 0, "a positive connectID")
+        cid = rsp.connectID
+        # The echo target speaks the test protocol: 'E' + 16 bytes of header, then echoes.
+        payload = bytes(random.getrandbits(8) for _ in range(4096))
+        stream.send(pb.Packet(type=pb.DATA, data=pb.Data(connectID=cid, data=b"E" + bytes(16) + payload)))
+        echoed = b""
+        while len(echoed) < len(payload):
+            pkt = stream.recv()
+            expect(pkt.type == pb.DATA and pkt.data.connectID == cid, f"DATA for connectID {cid}, got {pkt}")
+            echoed += pkt.data.data
+        expect(echoed == payload, "echoed bytes equal the sent bytes")
+        stream.send(pb.Packet(type=pb.CLOSE_REQ, closeRequest=pb.CloseRequest(connectID=cid)))
+        pkt = stream.recv()
+        expect(pkt.type == pb.CLOSE_RSP and pkt.closeResponse.connectID == cid, f"CLOSE_RSP for {cid}, got {pkt}")
+        expect(pkt.closeResponse.error == "", "a clean CLOSE_RSP")
+        stream.close()
+        print(f"round {round_}: DIAL_RSP connectID={cid}, {len(payload)} bytes echoed, CLOSE_RSP")
+
+    # 2. A dial to a closed port: DIAL_RSP carries the agent's error text.
+    stream = Stream(pb, pb_grpc, uds)
+    rsp = dial(pb, stream, closed_target)
+    expect("connection refused" in rsp.error, f"refused dial names the error, got {rsp.error!r}")
+    expect(rsp.connectID == 0, "no connectID on failure")
+    stream.close()
+    print(f"refused dial: {rsp.error}")
+    print("python grpcio client: all protocol checks passed")
+
+
+if __name__ == "__main__":
+    main()

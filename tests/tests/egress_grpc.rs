@@ -1,0 +1,233 @@
+//! Egress through the gRPC ProxyService frontend with the Rust tunnel client
+//! (konnectivity-client) and with an independent Python grpcio client.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use konnectivity_client::{DialError, Tunnel, TunnelStream};
+use support::TempDir;
+use support::certs::Pki;
+use support::cluster::{Setup, unanswering_listener};
+use support::procs::Server;
+use support::scrape::metric;
+use support::targets::{self, pattern_digest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const GIB: u64 = 1024 * 1024 * 1024;
+
+async fn tunnel(setup: &Setup, uds: bool) -> Tunnel {
+    if uds {
+        Tunnel::connect_uds(setup.server.uds_path()).await.unwrap()
+    } else {
+        let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+        Tunnel::connect_tls("localhost", setup.server.tcp_port(), tls)
+            .await
+            .unwrap()
+    }
+}
+
+async fn gib_each_way(uds: bool) {
+    let setup = Setup::start("grpc", uds, &[]).await;
+    let target = targets::blob().await;
+    let tunnel = tunnel(&setup, uds).await;
+    let mut stream = tunnel.dial(&target.addr.to_string()).await.unwrap();
+
+    let (sent, received) = targets::push(&mut stream, GIB, 21).await.unwrap();
+    assert_eq!(sent, received, "pushed bytes changed on the way");
+    let expected = tokio::task::spawn_blocking(|| pattern_digest(GIB, 22));
+    let pulled = targets::pull(&mut stream, GIB, 22).await.unwrap();
+    assert_eq!(pulled, expected.await.unwrap(), "pulled bytes changed on the way");
+
+    stream.shutdown().await.unwrap();
+    drop(stream);
+    setup.assert_gauges_return_to_zero().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gib_each_way_over_grpc_on_the_unix_socket() {
+    gib_each_way(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_gib_each_way_over_grpc_on_mtls_tcp() {
+    gib_each_way(false).await;
+}
+
+async fn echo_round_trip(mut stream: TunnelStream, seed: u64) -> std::io::Result<()> {
+    targets::start_echo(&mut stream).await?;
+    let mut payload = vec![0u8; 16 * 1024];
+    support::Pattern::new(seed).fill(&mut payload);
+    stream.write_all(&payload).await?;
+    let mut echoed = vec![0u8; payload.len()];
+    stream.read_exact(&mut echoed).await?;
+    assert_eq!(echoed, payload, "dial {seed} got someone else's bytes");
+    stream.shutdown().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_dials_over_one_connection_then_nothing_is_left_behind() {
+    let setup = Setup::start("grpc", true, &[]).await;
+    let target = targets::blob().await;
+    let tunnel = tunnel(&setup, true).await;
+    // Warm up once so lazily created resources are part of the baseline.
+    echo_round_trip(tunnel.dial(&target.addr.to_string()).await.unwrap(), 0)
+        .await
+        .unwrap();
+    setup.assert_gauges_return_to_zero().await;
+    let baseline = setup.resources().await;
+
+    let mut tasks = Vec::new();
+    for seed in 1..=1000u64 {
+        let tunnel = tunnel.clone();
+        let address = target.addr.to_string();
+        tasks.push(tokio::spawn(async move {
+            let stream = tunnel.dial(&address).await.map_err(std::io::Error::other)?;
+            echo_round_trip(stream, seed).await
+        }));
+    }
+    for (i, task) in tasks.into_iter().enumerate() {
+        task.await.unwrap().unwrap_or_else(|e| panic!("dial {i}: {e}"));
+    }
+    setup.assert_gauges_return_to_zero().await;
+    setup.assert_resources_return_to(&baseline).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_grpcio_client_sees_the_protocol_as_kube_apiserver_would() {
+    let setup = Setup::start("grpc", true, &[]).await;
+    let target = targets::blob().await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let proto_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../proto/proto");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/kas_like_client.py");
+    let output = tokio::process::Command::new("python3")
+        .args([script, proto_dir])
+        .arg(setup.server.uds_path())
+        .arg(target.addr.to_string())
+        .arg(closed.to_string())
+        .output()
+        .await
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "python client failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("all protocol checks passed"), "{stdout}");
+    setup.assert_gauges_return_to_zero().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_agents_the_dial_fails_with_no_agent() {
+    let dir = TempDir::new("konn-grpc");
+    let pki = Pki::new(dir.path());
+    let server = Server::start(dir.path(), &pki, "grpc", true, &[]).await;
+    let tunnel = Tunnel::connect_uds(server.uds_path()).await.unwrap();
+    let error = tunnel
+        .dial("127.0.0.1:9")
+        .await
+        .err()
+        .expect("no agent, no tunnel");
+    assert_eq!(error, DialError::NoAgent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_target_error_text_reaches_the_caller() {
+    let setup = Setup::start("grpc", true, &[]).await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let tunnel = tunnel(&setup, true).await;
+    let error = tunnel
+        .dial(&closed.to_string())
+        .await
+        .err()
+        .expect("nothing listens there");
+    assert_eq!(
+        error,
+        DialError::Failed(format!("dial tcp {closed}: connect: connection refused"))
+    );
+    setup.assert_gauges_return_to_zero().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_dial_timeout_reaches_the_caller() {
+    let setup = Setup::start("grpc", true, &["--dial-timeout=1s".to_owned()]).await;
+    let (_listener, _filler, addr) = unanswering_listener();
+    let tunnel = tunnel(&setup, true).await;
+    let started = Instant::now();
+    let error = tunnel
+        .dial(&addr.to_string())
+        .await
+        .err()
+        .expect("cannot connect");
+    assert_eq!(error, DialError::Failed(format!("dial tcp {addr}: i/o timeout")));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    setup.assert_gauges_return_to_zero().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_pending_dial_leaves_no_connection_on_the_agent() {
+    let setup = Setup::start("grpc", true, &["--dial-timeout=10s".to_owned()]).await;
+    let (listener, filler, addr) = unanswering_listener();
+    let tunnel = tunnel(&setup, true)
+        .await
+        .with_dial_timeout(Duration::from_millis(500));
+    let error = tunnel.dial(&addr.to_string()).await.err().expect("cancelled");
+    assert_eq!(error, DialError::Timeout(Duration::from_millis(500)));
+
+    // Free the accept queue: an agent dial still in progress would now
+    // connect on its next SYN retry (about 1 s). None may.
+    let (_accepted_filler, _) = listener.accept().unwrap();
+    drop(filler);
+    listener.set_nonblocking(true).unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        listener.accept().is_err(),
+        "the agent connected after the dial was cancelled"
+    );
+    assert_eq!(
+        metric(
+            setup.agent.health_port,
+            "konnectivity_network_proxy_agent_open_endpoint_connections"
+        )
+        .await,
+        Some(0.0)
+    );
+    setup.assert_gauges_return_to_zero().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_killed_mid_stream_fails_the_callers_read_promptly() {
+    let mut setup = Setup::start("grpc", true, &[]).await;
+    let target = targets::blob().await;
+    let tunnel = tunnel(&setup, true).await;
+    let mut stream = tunnel.dial(&target.addr.to_string()).await.unwrap();
+    targets::request_pull(&mut stream, 64 * GIB, 9).await.unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut received = 0;
+    while received < 8 * 1024 * 1024 {
+        received += stream.read(&mut buf).await.unwrap();
+    }
+    setup.agent.proc.kill();
+    let killed_at = Instant::now();
+    let end = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) => return Ok(()),
+                Ok(_) => continue,
+                Err(error) => return Err(error),
+            }
+        }
+    })
+    .await
+    .expect("the read must end promptly, not hang");
+    let error = end.expect_err("a broken tunnel must fail the read, not end it cleanly");
+    assert!(error.to_string().contains("agent disconnected"), "{error}");
+    assert!(killed_at.elapsed() < Duration::from_secs(5));
+}

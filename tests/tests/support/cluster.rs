@@ -1,0 +1,126 @@
+//! A proxy-server with one connected proxy-agent, and checks on both.
+
+use std::time::Duration;
+
+use super::certs::Pki;
+use super::procs::{Agent, Server};
+use super::scrape::metric;
+use super::{TempDir, wait_until};
+
+/// A server (in `mode`) with one connected agent.
+pub struct Setup {
+    pub dir: TempDir,
+    pub pki: Pki,
+    pub server: Server,
+    pub agent: Agent,
+}
+
+impl Setup {
+    pub async fn start(mode: &str, uds: bool, agent_extra: &[String]) -> Setup {
+        let dir = TempDir::new("konn-egress");
+        let pki = Pki::new(dir.path());
+        let server = Server::start(dir.path(), &pki, mode, uds, &[]).await;
+        let agent = Agent::start(dir.path(), &pki, server.agent_port, "agent-1", agent_extra);
+        server.wait_backends(1).await;
+        Setup {
+            dir,
+            pki,
+            server,
+            agent,
+        }
+    }
+
+    /// Waits until every gauge of open or pending connections on the server
+    /// and the agent reads zero.
+    pub async fn assert_gauges_return_to_zero(&self) {
+        let server = self.server.health_port;
+        let agent = self.agent.health_port;
+        let zero = |port: u16, series: &'static str| async move { metric(port, series).await == Some(0.0) };
+        wait_until(
+            Duration::from_secs(10),
+            "connection gauges to return to 0",
+            || async move {
+                zero(
+                    server,
+                    "konnectivity_network_proxy_server_established_connections",
+                )
+                .await
+                    && zero(server, "konnectivity_network_proxy_server_pending_backend_dials").await
+                    && zero(server, "konnectivity_network_proxy_server_http_connections").await
+                    && zero(
+                        server,
+                        "konnectivity_network_proxy_server_grpc_connections{service_method=\"Proxy\"}",
+                    )
+                    .await
+                    && zero(
+                        agent,
+                        "konnectivity_network_proxy_agent_open_endpoint_connections",
+                    )
+                    .await
+            },
+        )
+        .await;
+    }
+
+    /// Open file descriptors and live runtime tasks of server and agent.
+    pub async fn resources(&self) -> Resources {
+        Resources {
+            server_fds: open_fds(self.server.proc.pid()),
+            agent_fds: open_fds(self.agent.proc.pid()),
+            server_tasks: metric(
+                self.server.health_port,
+                "konnectivity_network_proxy_server_runtime_alive_tasks",
+            )
+            .await
+            .unwrap_or(-1.0),
+            agent_tasks: metric(
+                self.agent.health_port,
+                "konnectivity_network_proxy_agent_runtime_alive_tasks",
+            )
+            .await
+            .unwrap_or(-1.0),
+        }
+    }
+
+    /// Waits until resources are back to `baseline`: nothing leaked.
+    pub async fn assert_resources_return_to(&self, baseline: &Resources) {
+        let mut last = None;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::time::Instant::now() < deadline {
+            let now = self.resources().await;
+            if now == *baseline {
+                return;
+            }
+            last = Some(now);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("resources did not return to baseline {baseline:?}: last {last:?}");
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resources {
+    pub server_fds: usize,
+    pub agent_fds: usize,
+    pub server_tasks: f64,
+    pub agent_tasks: f64,
+}
+
+pub fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// A listener whose accept queue is full: the kernel drops further SYNs,
+/// so a dial to it hangs until the dialer's timeout. Keep all three alive.
+pub fn unanswering_listener() -> (socket2::Socket, std::net::TcpStream, std::net::SocketAddr) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&"127.0.0.1:0".parse::<std::net::SocketAddr>().unwrap().into())
+        .unwrap();
+    socket.listen(0).unwrap();
+    let addr = socket.local_addr().unwrap().as_socket().unwrap();
+    let filler = std::net::TcpStream::connect(addr).unwrap();
+    (socket, filler, addr)
+}
