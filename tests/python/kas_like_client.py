@@ -93,7 +93,18 @@ def main():
         stream.close()
         print(f"round {round_}: DIAL_RSP connectID={cid}, {len(payload)} bytes echoed, CLOSE_RSP")
 
-    # 2. A dial to a closed port: DIAL_RSP carries the agent's error text.
+    # 2. DATA naming another connection's id closes this one, with an error.
+    stream = Stream(pb, pb_grpc, uds)
+    rsp = dial(pb, stream, echo_target)
+    cid = rsp.connectID
+    stream.send(pb.Packet(type=pb.DATA, data=pb.Data(connectID=cid + 1000, data=b"E" + bytes(16))))
+    pkt = stream.recv()
+    expect(pkt.type == pb.CLOSE_RSP and pkt.closeResponse.connectID == cid, f"CLOSE_RSP for {cid}, got {pkt}")
+    expect("connectID" in pkt.closeResponse.error, f"the error names the foreign id, got {pkt.closeResponse.error!r}")
+    stream.close()
+    print(f"foreign connectID: CLOSE_RSP error {pkt.closeResponse.error!r}")
+
+    # 3. A dial to a closed port: DIAL_RSP carries the agent's error text.
     stream = Stream(pb, pb_grpc, uds)
     rsp = dial(pb, stream, closed_target)
     expect("connection refused" in rsp.error, f"refused dial names the error, got {rsp.error!r}")

@@ -1,0 +1,87 @@
+//! Bad or conflicting flags: exit status 2 and a message naming the flag.
+
+mod support;
+
+use std::process::Command;
+
+use support::procs::bin;
+
+/// Runs a binary with `args`; its exit code and standard error.
+fn run(binary: &str, args: &[&str]) -> (Option<i32>, String) {
+    let output = Command::new(bin(binary)).args(args).output().unwrap();
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn invalid_server_flags_exit_2_naming_the_flag() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--mode=socks"], "--mode"),
+        (
+            &["--server-port=80", "--server-ca-cert=/nonexistent"],
+            "--server-port",
+        ),
+        (&["--agent-port=50000"], "--agent-port"),
+        (&["--uds-name=/tmp/x.sock", "--server-port=8090"], "--server-port"),
+        (&["--uds-name=/tmp/x.sock", "--server-port=0"], "--cluster-cert"),
+        (&["--server-port=8090"], "--server-ca-cert"),
+        (
+            &[
+                "--uds-name=/tmp/x.sock",
+                "--server-port=0",
+                "--cluster-cert=/nonexistent",
+                "--cluster-key=/nonexistent",
+            ],
+            "--cluster-cert",
+        ),
+        (&["--keepalive-time=5"], "--keepalive-time"),
+        (
+            &[
+                "--uds-name=/tmp/x.sock",
+                "--server-port=0",
+                concat!("--cluster-cert=", env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+                concat!("--cluster-key=", env!("CARGO_MANIFEST_DIR"), "/Cargo.toml"),
+                "--proxy-strategies=destCIDR",
+            ],
+            "--proxy-strategies",
+        ),
+        (
+            &["--delete-existing-uds-file=maybe"],
+            "--delete-existing-uds-file",
+        ),
+    ];
+    for (args, flag) in cases {
+        let (code, stderr) = run("proxy-server", args);
+        assert_eq!(code, Some(2), "{args:?} should exit 2: {stderr}");
+        assert!(
+            stderr.contains(flag),
+            "{args:?}: message should name {flag}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn invalid_agent_flags_exit_2_naming_the_flag() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--agent-identifiers=zone=a"], "--agent-identifiers"),
+        (&["--agent-identifiers=zone=a"], "zone"),
+        (
+            &["--sync-interval=20s", "--sync-interval-cap=10s"],
+            "--sync-interval",
+        ),
+        (&["--sync-interval=1"], "--sync-interval"),
+        (&["--agent-cert=/nonexistent"], "--agent-cert"),
+        (&["--health-server-port=70000"], "--health-server-port"),
+        (&["--xfr-channel-size=0"], "--xfr-channel-size"),
+    ];
+    for (args, flag) in cases {
+        let (code, stderr) = run("proxy-agent", args);
+        assert_eq!(code, Some(2), "{args:?} should exit 2: {stderr}");
+        assert!(
+            stderr.contains(flag),
+            "{args:?}: message should name {flag}: {stderr}"
+        );
+    }
+}
