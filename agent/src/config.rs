@@ -5,13 +5,18 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::{ArgAction, Parser};
-use konnectivity_plumbing::flags::{parse_bool, parse_duration, parse_port};
+use konnectivity_plumbing::flags::{
+    GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
+};
+use konnectivity_plumbing::klog::KlogArgs;
 use konnectivity_plumbing::tls::{Identity, PemFile};
 use konnectivity_proto::AgentIdentifiers;
 
 /// The Konnectivity proxy agent: dials out to proxy-servers and serves their dials.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "proxy-agent", version, about)]
+// As with Go's pflag, a flag given twice takes the last value.
+#[command(name = "proxy-agent", version, about, args_override_self = true)]
+#[command(next_help_heading = "Upstream-compatible flags")]
 pub struct Args {
     /// Client certificate presented to the server.
     #[arg(long, default_value = "")]
@@ -28,9 +33,9 @@ pub struct Args {
     /// The proxy-server's agent port.
     #[arg(long, default_value_t = 8091)]
     pub proxy_server_port: u16,
-    /// ALPN protocols offered to the server, comma-separated.
-    #[arg(long, default_value = "h2")]
-    pub alpn_proto: String,
+    /// ALPN protocols offered in addition to h2, comma-separated.
+    #[arg(long, value_parser = parse_list, default_value = "")]
+    pub alpn_proto: GoList,
     /// Bind address of the health listener; empty means all interfaces.
     #[arg(long, default_value = "")]
     pub health_server_host: String,
@@ -55,23 +60,57 @@ pub struct Args {
     /// Packets buffered per connection towards its endpoint.
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
-    /// How long a dial to an endpoint may take.
-    #[arg(long, value_parser = parse_duration, default_value = "5s")]
-    pub dial_timeout: Duration,
-    /// Log verbosity, as klog's -v.
-    #[arg(short = 'v', long = "v", default_value_t = 0)]
-    pub verbosity: u32,
-    /// Log to a file instead of standard error.
+    /// Bind address of the admin listener.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub admin_bind_address: String,
+    /// Interval of readiness probes of each server connection (not applied yet).
+    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    pub probe_interval: Duration,
+    /// Interval of HTTP/2 keepalive pings to the server (not applied yet).
+    #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
+    pub keepalive_time: Duration,
+    /// ServiceAccount token file for token authentication (not applied yet).
     #[arg(long, default_value = "")]
-    pub log_file: String,
-    /// Accepted for klog compatibility; logs go to standard error.
-    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
-    pub logtostderr: bool,
-    /// Accepted for klog compatibility.
+    pub service_account_token_path: String,
+    /// Keep re-syncing with servers after converging (not applied yet).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
-    pub alsologtostderr: bool,
+    pub sync_forever: bool,
+    /// Count proxy-server leases to learn the server count (not applied yet).
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub count_server_leases: bool,
+    #[arg(long, default_value = "kube-system")]
+    pub lease_namespace: String,
+    #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label: String,
+    #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label_selector: String,
+    /// Where the server count comes from: default (servers' headers) or max.
+    #[arg(long, default_value = "default")]
+    pub server_count_source: String,
+    /// kubeconfig for lease counting (not applied yet).
+    #[arg(long, default_value = "")]
+    pub kubeconfig: String,
+    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
+    pub kube_api_content_type: String,
+    /// pprof on the admin port (Go only; not applied).
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub enable_profiling: bool,
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub enable_contention_profiling: bool,
+    /// Deprecated upstream; accepted and ignored.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub warn_on_channel_limit: bool,
+    /// How long a dial to an endpoint may take (upstream fixes it at 5s).
+    #[arg(long, value_parser = parse_duration, default_value = "5s", help_heading = "konnectivity-rs additions")]
+    pub dial_timeout: Duration,
+
+    #[command(flatten)]
+    pub klog: KlogArgs,
 }
 
 #[derive(Clone, Debug)]
@@ -154,6 +193,23 @@ impl Config {
         if args.health_server_port == 0 {
             return Err(invalid("health-server-port", "must not be 0"));
         }
+        if args.admin_server_port == 0 {
+            return Err(invalid("admin-server-port", "must not be 0"));
+        }
+        if args.enable_contention_profiling && !args.enable_profiling {
+            return Err(invalid("enable-contention-profiling", "needs --enable-profiling"));
+        }
+        if args.probe_interval.is_zero() {
+            return Err(invalid("probe-interval", "must be greater than 0"));
+        }
+        if !matches!(args.server_count_source.as_str(), "default" | "max") {
+            return Err(invalid(
+                "server-count-source",
+                format!("{:?} is not default or max", args.server_count_source),
+            ));
+        }
+        pem_file("service-account-token-path", &args.service_account_token_path)?;
+        pem_file("kubeconfig", &args.kubeconfig)?;
         let identifiers = AgentIdentifiers::parse(&args.agent_identifiers)
             .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
         let health_ip = if args.health_server_host.is_empty() {
@@ -166,13 +222,13 @@ impl Config {
                 )
             })?
         };
-        let alpn = args
-            .alpn_proto
-            .split(',')
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-            .map(|p| p.as_bytes().to_vec())
-            .collect();
+        // gRPC needs h2; --alpn-proto adds to it, as upstream's does.
+        let mut alpn = vec![b"h2".to_vec()];
+        for proto in &args.alpn_proto.0 {
+            if !alpn.contains(&proto.as_bytes().to_vec()) {
+                alpn.push(proto.as_bytes().to_vec());
+            }
+        }
         let agent_id = if args.agent_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
@@ -192,5 +248,43 @@ impl Config {
             xfr_channel_size: args.xfr_channel_size,
             dial_timeout: args.dial_timeout,
         })
+    }
+}
+
+impl Args {
+    /// Upstream flags given a non-default value that this version accepts
+    /// but does not act on; main logs each once.
+    pub fn inert_settings(&self) -> Vec<&'static str> {
+        let mut inert: Vec<&'static str> = [
+            ("admin-server-port", self.admin_server_port != 8094),
+            ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
+            ("probe-interval", self.probe_interval != Duration::from_secs(1)),
+            ("keepalive-time", self.keepalive_time != Duration::from_secs(3600)),
+            (
+                "service-account-token-path",
+                !self.service_account_token_path.is_empty(),
+            ),
+            ("sync-forever", self.sync_forever),
+            ("count-server-leases", self.count_server_leases),
+            ("lease-namespace", self.lease_namespace != "kube-system"),
+            ("lease-label", self.lease_label != "k8s-app=konnectivity-server"),
+            (
+                "lease-label-selector",
+                self.lease_label_selector != "k8s-app=konnectivity-server",
+            ),
+            ("server-count-source", self.server_count_source != "default"),
+            ("kubeconfig", !self.kubeconfig.is_empty()),
+            (
+                "kube-api-content-type",
+                self.kube_api_content_type != "application/vnd.kubernetes.protobuf",
+            ),
+            ("enable-profiling", self.enable_profiling),
+            ("enable-contention-profiling", self.enable_contention_profiling),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect();
+        inert.extend(self.klog.inert_settings());
+        inert
     }
 }

@@ -13,9 +13,9 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(2);
         }
     };
-    let log_file = (!args.log_file.is_empty()).then(|| std::path::PathBuf::from(&args.log_file));
-    konnectivity_plumbing::logging::init(args.verbosity, log_file.as_deref())?;
+    args.klog.init_logging()?;
     tracing::info!(?config, "effective configuration");
+    konnectivity_plumbing::klog::warn_inert(&args.inert_settings());
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {

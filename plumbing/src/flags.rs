@@ -59,9 +59,62 @@ pub fn parse_port(text: &str) -> Result<u16, String> {
     Ok(port)
 }
 
+/// The value of a Go string-slice flag (a newtype, so clap takes the whole
+/// value rather than treating the field as a repeated flag).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GoList(pub Vec<String>);
+
+/// Parses a Go string-slice flag: comma-separated, with `[]` (how Go prints
+/// an empty list) and the empty string both meaning no entries.
+pub fn parse_list(text: &str) -> Result<GoList, String> {
+    let inner = text
+        .strip_prefix('[')
+        .and_then(|t| t.strip_suffix(']'))
+        .unwrap_or(text);
+    Ok(GoList(
+        inner
+            .split(',')
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    ))
+}
+
+/// Validates a Kubernetes label list or equality selector, `k=v[,k=v]`.
+pub fn parse_labels(text: &str) -> Result<String, String> {
+    for pair in text.split(',').filter(|p| !p.is_empty()) {
+        let (key, value) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("label {pair:?} is not key=value"))?;
+        let valid = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
+        if key.is_empty() || !valid(key) || !valid(value) {
+            return Err(format!("label {pair:?} is not a valid key=value"));
+        }
+    }
+    Ok(text.to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn go_string_lists() {
+        let list = |items: &[&str]| Ok(GoList(items.iter().map(|s| s.to_string()).collect()));
+        assert_eq!(parse_list("[]"), list(&[]));
+        assert_eq!(parse_list(""), list(&[]));
+        assert_eq!(parse_list("a,b"), list(&["a", "b"]));
+        assert_eq!(parse_list("[h2,http/1.1]"), list(&["h2", "http/1.1"]));
+    }
+
+    #[test]
+    fn label_lists() {
+        assert!(parse_labels("k8s-app=konnectivity-server").is_ok());
+        assert!(parse_labels("a=b,c=d").is_ok());
+        assert!(parse_labels("novalue").is_err());
+        assert!(parse_labels("a b=c").is_err());
+    }
 
     #[test]
     fn go_durations() {

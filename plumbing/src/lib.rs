@@ -4,6 +4,7 @@
 
 pub mod flags;
 pub mod http;
+pub mod klog;
 pub mod logging;
 pub mod metrics;
 pub mod signals;

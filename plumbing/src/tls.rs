@@ -123,10 +123,16 @@ pub fn server_config(
     identity: &Identity,
     client_ca: Option<&PemFile>,
     alpn: &[&[u8]],
+    tls13_only: bool,
 ) -> Result<ServerConfig, TlsError> {
+    let versions: &[&rustls::SupportedProtocolVersion] = if tls13_only {
+        &[&rustls::version::TLS13]
+    } else {
+        rustls::DEFAULT_VERSIONS
+    };
     let builder = ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions");
+        .with_protocol_versions(versions)
+        .expect("ring supports TLS 1.2 and 1.3");
     let builder = match client_ca {
         Some(ca) => {
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(load_roots(ca)?), provider())

@@ -6,7 +6,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgAction, Parser, ValueEnum};
-use konnectivity_plumbing::flags::{parse_bool, parse_duration, parse_port};
+use konnectivity_plumbing::flags::{
+    GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
+};
+use konnectivity_plumbing::klog::KlogArgs;
 use konnectivity_plumbing::tls::{Identity, PemFile};
 
 use crate::backend::strategy::{Strategy, parse_strategies};
@@ -21,7 +24,9 @@ pub enum Mode {
 
 /// The Konnectivity proxy server: kube-apiserver egress through agents.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "proxy-server", version, about)]
+// As with Go's pflag, a flag given twice takes the last value.
+#[command(name = "proxy-server", version, about, args_override_self = true)]
+#[command(next_help_heading = "Upstream-compatible flags")]
 pub struct Args {
     /// Frontend protocol: grpc or http-connect.
     #[arg(long, value_enum, default_value = "grpc")]
@@ -90,20 +95,65 @@ pub struct Args {
     /// Packets buffered per connection in each direction.
     #[arg(long, default_value_t = 10)]
     pub xfr_channel_size: usize,
-    /// Log verbosity, as klog's -v.
-    #[arg(short = 'v', long = "v", default_value_t = 0)]
-    pub verbosity: u32,
-    /// Log to a file instead of standard error.
+    /// Buffered packets per HTTP CONNECT frontend (upstream's knob; this version sizes
+    /// frontend queues by --xfr-channel-size).
+    #[arg(long, default_value_t = 10)]
+    pub frontend_write_channel_size: usize,
+    /// Interval of HTTP/2 keepalive pings on agent connections (not applied yet).
+    #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
+    pub keepalive_time: Duration,
+    /// Interval of HTTP/2 keepalive pings on frontend connections (not applied yet).
+    #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
+    pub frontend_keepalive_time: Duration,
+    /// How long shutdown waits for open connections (not applied yet).
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    pub graceful_shutdown_timeout: Duration,
+    /// Namespace of agents' ServiceAccount for token authentication (not applied yet).
     #[arg(long, default_value = "")]
-    pub log_file: String,
-    /// Accepted for klog compatibility; logs go to standard error.
-    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
-    pub logtostderr: bool,
-    /// Accepted for klog compatibility.
+    pub agent_namespace: String,
+    /// Agents' ServiceAccount for token authentication (not applied yet).
+    #[arg(long, default_value = "")]
+    pub agent_service_account: String,
+    /// Audience of agents' tokens (not applied yet).
+    #[arg(long, default_value = "")]
+    pub authentication_audience: String,
+    /// kubeconfig for TokenReview and leases (not applied yet).
+    #[arg(long, default_value = "")]
+    pub kubeconfig: String,
+    #[arg(long, default_value_t = 0.0)]
+    pub kubeconfig_qps: f32,
+    #[arg(long, default_value_t = 0)]
+    pub kubeconfig_burst: u32,
+    #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
+    pub kube_api_content_type: String,
+    /// TLS cipher suites, Go names, comma-separated (not applied yet: rustls' safe defaults are used).
+    #[arg(long, value_parser = parse_list, default_value = "")]
+    pub cipher_suites: GoList,
+    /// Minimum TLS version: VersionTLS12 or VersionTLS13 (10 and 11 are not offered).
+    #[arg(long, default_value = "")]
+    pub tls_min_version: String,
+    /// Publish proxy-server leases (not applied yet).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
-    pub alsologtostderr: bool,
+    pub enable_lease_controller: bool,
+    #[arg(long, default_value = "kube-system")]
+    pub lease_namespace: String,
+    #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label: String,
+    /// pprof on the admin port (Go only; not applied).
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub enable_profiling: bool,
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub enable_contention_profiling: bool,
+    /// Deprecated upstream and always on; accepted and ignored.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
+    pub warn_on_channel_limit: bool,
+
+    #[command(flatten)]
+    pub klog: KlogArgs,
 }
 
 /// Where and how the frontend listens.
@@ -135,6 +185,14 @@ pub struct Config {
     pub health_addr: SocketAddr,
     pub backend_dial_timeout: Option<Duration>,
     pub xfr_channel_size: usize,
+    pub tls_versions: TlsVersions,
+}
+
+/// Which TLS versions the listeners offer (`--tls-min-version`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsVersions {
+    Tls12AndUp,
+    Tls13Only,
 }
 
 /// A flag with a bad value, or flags that conflict. Exits with status 2.
@@ -251,6 +309,45 @@ impl Config {
         if args.xfr_channel_size == 0 {
             return Err(invalid("xfr-channel-size", "must be greater than 0"));
         }
+        if args.admin_port == 0 {
+            return Err(invalid("admin-port", "must not be 0"));
+        }
+        if args.enable_contention_profiling && !args.enable_profiling {
+            return Err(invalid("enable-contention-profiling", "needs --enable-profiling"));
+        }
+        if args.frontend_write_channel_size == 0 {
+            return Err(invalid("frontend-write-channel-size", "must be greater than 0"));
+        }
+        let token_auth = [
+            &args.agent_namespace,
+            &args.agent_service_account,
+            &args.authentication_audience,
+        ];
+        if token_auth.iter().any(|v| !v.is_empty()) {
+            if !args.cluster_ca_cert.is_empty() {
+                return Err(invalid(
+                    "cluster-ca-cert",
+                    "cannot be used with agent token authentication",
+                ));
+            }
+            for (flag, value) in [
+                "agent-namespace",
+                "agent-service-account",
+                "authentication-audience",
+            ]
+            .into_iter()
+            .zip(token_auth)
+            {
+                if value.is_empty() {
+                    return Err(invalid(
+                        flag,
+                        "must be set when agent token authentication is enabled",
+                    ));
+                }
+            }
+        }
+        pem_file("kubeconfig", &args.kubeconfig)?;
+        let tls_versions = tls_versions(&args.tls_min_version)?;
         let strategies = parse_strategies(&args.proxy_strategies)
             .map_err(|message| invalid("proxy-strategies", message))?;
         let server_id = if args.server_id.is_empty() {
@@ -270,7 +367,75 @@ impl Config {
             health_addr: bind_address("health-bind-address", &args.health_bind_address, args.health_port)?,
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
             xfr_channel_size: args.xfr_channel_size,
+            tls_versions,
         })
+    }
+}
+
+/// Upstream's `--tls-min-version` names mapped to what rustls offers. TLS 1.0
+/// and 1.1 are not available; asking for them gets TLS 1.2 and a warning.
+fn tls_versions(text: &str) -> Result<TlsVersions, ConfigError> {
+    match text {
+        "" | "VersionTLS12" => Ok(TlsVersions::Tls12AndUp),
+        "VersionTLS13" => Ok(TlsVersions::Tls13Only),
+        // Reported as inert by `Args::inert_settings`.
+        "VersionTLS10" | "VersionTLS11" => Ok(TlsVersions::Tls12AndUp),
+        other => Err(invalid(
+            "tls-min-version",
+            format!("{other:?} is not one of VersionTLS10, VersionTLS11, VersionTLS12, VersionTLS13"),
+        )),
+    }
+}
+
+impl Args {
+    /// Upstream flags given a non-default value that this version accepts
+    /// but does not act on; main logs each once.
+    pub fn inert_settings(&self) -> Vec<&'static str> {
+        let mut inert: Vec<&'static str> = [
+            (
+                "frontend-write-channel-size",
+                self.frontend_write_channel_size != 10,
+            ),
+            ("keepalive-time", self.keepalive_time != Duration::from_secs(3600)),
+            (
+                "frontend-keepalive-time",
+                self.frontend_keepalive_time != Duration::from_secs(3600),
+            ),
+            (
+                "graceful-shutdown-timeout",
+                !self.graceful_shutdown_timeout.is_zero(),
+            ),
+            ("agent-namespace", !self.agent_namespace.is_empty()),
+            ("agent-service-account", !self.agent_service_account.is_empty()),
+            (
+                "authentication-audience",
+                !self.authentication_audience.is_empty(),
+            ),
+            ("kubeconfig", !self.kubeconfig.is_empty()),
+            ("kubeconfig-qps", self.kubeconfig_qps != 0.0),
+            ("kubeconfig-burst", self.kubeconfig_burst != 0),
+            (
+                "kube-api-content-type",
+                self.kube_api_content_type != "application/vnd.kubernetes.protobuf",
+            ),
+            ("cipher-suites", !self.cipher_suites.0.is_empty()),
+            (
+                "tls-min-version",
+                matches!(self.tls_min_version.as_str(), "VersionTLS10" | "VersionTLS11"),
+            ),
+            ("enable-lease-controller", self.enable_lease_controller),
+            ("lease-namespace", self.lease_namespace != "kube-system"),
+            ("lease-label", self.lease_label != "k8s-app=konnectivity-server"),
+            ("enable-profiling", self.enable_profiling),
+            ("enable-contention-profiling", self.enable_contention_profiling),
+            ("admin-port", self.admin_port != 8095),
+            ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect();
+        inert.extend(self.klog.inert_settings());
+        inert
     }
 }
 

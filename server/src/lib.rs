@@ -26,7 +26,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::agent_service::AgentServer;
 use crate::backend::registry::Registry;
-use crate::config::{Config, FrontendListen, Mode};
+use crate::config::{Config, FrontendListen, Mode, TlsVersions};
 use crate::frontend::grpc::ProxyServer;
 use crate::frontend::{connect, listen};
 use crate::health::ServerEndpoints;
@@ -73,6 +73,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let metrics = Arc::new(ServerMetrics::default());
     let registry = Arc::new(Registry::new(config.strategies.clone(), metrics.clone()));
 
+    let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
     let health = bind_tcp("health listener (--health-port)", config.health_addr).await?;
     let endpoints = Arc::new(ServerEndpoints {
         registry: registry.clone(),
@@ -81,7 +82,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let health_task = tokio::spawn(konnectivity_plumbing::http::serve(health, endpoints));
 
     let agent_listener = bind_tcp("agent listener (--agent-port)", config.agent_addr).await?;
-    let agent_tls = tls::server_config(&config.agent_identity, config.agent_client_ca.as_ref(), &[b"h2"])?;
+    let agent_tls = tls::server_config(
+        &config.agent_identity,
+        config.agent_client_ca.as_ref(),
+        &[b"h2"],
+        tls13_only,
+    )?;
     let agent_streams = tls::accept_tls(agent_listener, TlsAcceptor::from(Arc::new(agent_tls)), "agent");
     let agent_service = AgentServer::new(
         registry.clone(),
@@ -126,7 +132,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             },
         ) => {
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
-            let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"])?;
+            let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"], tls13_only)?;
             tokio::spawn(async move {
                 listen::accept_tls(listener, Arc::new(tls), move |stream| {
                     connect::serve(stream, dialer.clone())
@@ -155,7 +161,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             },
         ) => {
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
-            let tls = tls::server_config(identity, Some(client_ca), &[b"h2"])?;
+            let tls = tls::server_config(identity, Some(client_ca), &[b"h2"], tls13_only)?;
             let streams = tls::accept_tls(listener, TlsAcceptor::from(Arc::new(tls)), "frontend");
             let incoming = ReceiverStream::new(streams).map(Ok::<_, std::io::Error>);
             tokio::spawn(grpc_frontend(dialer).serve_with_incoming(incoming))

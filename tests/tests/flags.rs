@@ -75,6 +75,12 @@ fn invalid_agent_flags_exit_2_naming_the_flag() {
         (&["--agent-cert=/nonexistent"], "--agent-cert"),
         (&["--health-server-port=70000"], "--health-server-port"),
         (&["--xfr-channel-size=0"], "--xfr-channel-size"),
+        (&["--agent-key=/etc/hostname"], "--agent-cert"),
+        (&["--agent-cert=/etc/hostname"], "--agent-key"),
+        (&["--admin-server-port=20"], "--admin-server-port"),
+        (&["--server-count-source=lease"], "--server-count-source"),
+        (&["--sync-forever=perhaps"], "--sync-forever"),
+        (&["--probe-interval=0s"], "--probe-interval"),
     ];
     for (args, flag) in cases {
         let (code, stderr) = run("proxy-agent", args);

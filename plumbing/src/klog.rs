@@ -1,0 +1,103 @@
+//! klog's command-line flags, accepted so that upstream manifests run
+//! unchanged. `-v`, `--log-file`, `--logtostderr` and `--alsologtostderr`
+//! act; the others only format klog's own output and have no equivalent
+//! here, so a non-default value is reported once at start-up.
+
+use clap::{ArgAction, Args};
+
+use crate::flags::parse_bool;
+
+#[derive(Args, Debug, Clone)]
+#[command(next_help_heading = "Logging (klog-compatible)")]
+pub struct KlogArgs {
+    /// Log verbosity: 0-1 info, 2-4 debug, 5+ trace.
+    #[arg(short = 'v', long = "v", default_value_t = 0)]
+    pub verbosity: u32,
+    /// Per-module verbosity (klog only; not applied).
+    #[arg(long, default_value = "")]
+    pub vmodule: String,
+    /// Log to standard error (the default).
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
+    pub logtostderr: bool,
+    /// Log to standard error as well as to --log-file.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub alsologtostderr: bool,
+    /// klog severity threshold for --alsologtostderr (not applied).
+    #[arg(long, default_value = "")]
+    pub alsologtostderrthreshold: String,
+    /// klog severity threshold for standard error (not applied).
+    #[arg(long, default_value = "2")]
+    pub stderrthreshold: String,
+    /// klog log directory (not applied; use --log-file).
+    #[arg(long, default_value = "")]
+    pub log_dir: String,
+    /// Log to this file instead of standard error.
+    #[arg(long, default_value = "")]
+    pub log_file: String,
+    /// klog log file rotation size in MB (not applied).
+    #[arg(long, default_value_t = 1800)]
+    pub log_file_max_size: u64,
+    /// klog stack trace trigger (not applied).
+    #[arg(long, default_value = ":0")]
+    pub log_backtrace_at: String,
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub one_output: bool,
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub skip_headers: bool,
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub skip_log_headers: bool,
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub add_dir_header: bool,
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
+    pub legacy_stderr_threshold_behavior: bool,
+}
+
+impl KlogArgs {
+    /// The klog flags set to something other than their default, which this
+    /// implementation does not act on.
+    pub fn inert_settings(&self) -> Vec<&'static str> {
+        [
+            ("vmodule", !self.vmodule.is_empty()),
+            (
+                "alsologtostderrthreshold",
+                !self.alsologtostderrthreshold.is_empty(),
+            ),
+            ("stderrthreshold", self.stderrthreshold != "2"),
+            ("log-dir", !self.log_dir.is_empty()),
+            ("log-file-max-size", self.log_file_max_size != 1800),
+            ("log-backtrace-at", self.log_backtrace_at != ":0"),
+            ("one-output", self.one_output),
+            ("skip-headers", self.skip_headers),
+            ("skip-log-headers", self.skip_log_headers),
+            ("add-dir-header", self.add_dir_header),
+            (
+                "legacy-stderr-threshold-behavior",
+                !self.legacy_stderr_threshold_behavior,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect()
+    }
+
+    /// Installs logging as these flags ask.
+    pub fn init_logging(&self) -> std::io::Result<()> {
+        let file = (!self.log_file.is_empty()).then(|| std::path::PathBuf::from(&self.log_file));
+        crate::logging::init(self.verbosity, file.as_deref())
+    }
+}
+
+/// Logs, once, each flag that was given a non-default value but has no
+/// effect yet, so nothing changes behaviour silently.
+pub fn warn_inert(flags: &[&str]) {
+    for flag in flags {
+        tracing::warn!(flag = %format!("--{flag}"), "flag is accepted for compatibility with upstream but has no effect in this version");
+    }
+}
