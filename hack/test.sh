@@ -35,4 +35,4 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo build (binaries the integration tests run)"
 cargo build --workspace --bins --locked
 echo "== cargo test"
-cargo test --workspace --locked
+cargo test --workspace --locked --no-fail-fast

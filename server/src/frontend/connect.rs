@@ -248,7 +248,7 @@ mod tests {
             .unwrap();
         assert_eq!(request.target, "10.0.0.5:10250");
         assert!(request.early_data.is_empty());
-        assert_eq!(len, 51);
+        assert_eq!(len, 52);
     }
 
     #[test]

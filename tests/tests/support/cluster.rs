@@ -36,6 +36,9 @@ impl Setup {
         let server = self.server.health_port;
         let agent = self.agent.health_port;
         let zero = |port: u16, series: &'static str| async move { metric(port, series).await == Some(0.0) };
+        // This family only has a sample once a Proxy stream was served.
+        let zero_or_absent =
+            |port: u16, series: &'static str| async move { metric(port, series).await.unwrap_or(0.0) == 0.0 };
         wait_until(
             Duration::from_secs(10),
             "connection gauges to return to 0",
@@ -47,7 +50,7 @@ impl Setup {
                 .await
                     && zero(server, "konnectivity_network_proxy_server_pending_backend_dials").await
                     && zero(server, "konnectivity_network_proxy_server_http_connections").await
-                    && zero(
+                    && zero_or_absent(
                         server,
                         "konnectivity_network_proxy_server_grpc_connections{service_method=\"Proxy\"}",
                     )

@@ -42,23 +42,25 @@ impl Drop for TempDir {
     }
 }
 
-/// A port that is free now, in the range the binaries accept (1024-49151).
-/// Tests in one process share a counter so they never pick the same one.
+/// A port that is free now, in the range the binaries accept (1024-49151)
+/// and below the kernel's ephemeral range (32768+), so outgoing connections
+/// cannot take it in the meantime. Tests in one process share a counter so
+/// they never pick the same one; processes start at different offsets.
 pub fn free_port() -> u16 {
+    const FIRST: u32 = 20000;
+    const SPAN: u32 = 12000;
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let base = 20000 + (std::process::id() % 500) * 20;
-    loop {
+    let start = (std::process::id() % 600) * 20;
+    for _ in 0..SPAN {
         let offset = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = (base + offset % 20000) as u16;
-        if port > 40000 {
-            continue;
-        }
+        let port = (FIRST + (start + offset) % SPAN) as u16;
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
             && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok()
         {
             return port;
         }
     }
+    panic!("no free port in {FIRST}-{}", FIRST + SPAN);
 }
 
 /// Polls `check` every 50 ms until it returns true; panics naming `what`

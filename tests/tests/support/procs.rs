@@ -45,7 +45,9 @@ impl Proc {
     }
 
     fn spawn_path(binary: &str, path: &Path, args: &[String], log_dir: &Path) -> Proc {
-        let log = log_dir.join(format!("{binary}-{}.log", super::free_port()));
+        static SPAWNED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = log_dir.join(format!("{binary}-{n}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(path)
             .args(args)
