@@ -249,3 +249,25 @@ pub fn server_name(host: &str) -> Result<rustls_pki_types::ServerName<'static>, 
     rustls_pki_types::ServerName::try_from(host.trim_matches(|c| c == '[' || c == ']').to_owned())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("server name {host:?}: {e}")))
 }
+
+/// The names a certificate vouches for: its subject common names and DNS
+/// subject alternative names. Used to bind an authenticated peer to the
+/// identity it claims (e.g. a control-plane agent id).
+pub fn certificate_names(der: &[u8]) -> Vec<String> {
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = cert
+        .subject()
+        .iter_common_name()
+        .filter_map(|cn| cn.as_str().ok().map(str::to_owned))
+        .collect();
+    if let Ok(Some(san)) = cert.subject_alternative_name() {
+        for name in &san.value.general_names {
+            if let x509_parser::extensions::GeneralName::DNSName(dns) = name {
+                names.push((*dns).to_owned());
+            }
+        }
+    }
+    names
+}

@@ -8,12 +8,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_util::{Stream, StreamExt};
 use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_plumbing::tls::certificate_names;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_server::AgentService;
 use konnectivity_proto::{AgentIdentifiers, Packet};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::backend::registry::Registry;
@@ -32,6 +34,7 @@ pub struct AgentServer {
     server_id: AsciiMetadataValue,
     server_count: AsciiMetadataValue,
     next_backend: AtomicU64,
+    control_plane_ids: Vec<String>,
 }
 
 impl AgentServer {
@@ -40,6 +43,7 @@ impl AgentServer {
         metrics: Arc<ServerMetrics>,
         server_id: &str,
         server_count: u32,
+        control_plane_ids: Vec<String>,
     ) -> Result<Self, String> {
         Ok(AgentServer {
             registry,
@@ -49,6 +53,7 @@ impl AgentServer {
                 .map_err(|_| format!("--server-id {server_id:?} is not printable ASCII"))?,
             server_count: server_count.to_string().parse().expect("digits are ASCII"),
             next_backend: AtomicU64::new(1),
+            control_plane_ids,
         })
     }
 }
@@ -96,17 +101,41 @@ impl AgentService for AgentServer {
     ) -> Result<Response<Self::ConnectStream>, Status> {
         let agent_id = exactly_one(request.metadata(), AGENT_ID)?.to_owned();
         let identifiers = identifiers(request.metadata())?;
+        let control_plane = self.control_plane_ids.contains(&agent_id);
+        if control_plane {
+            // The role comes from our configuration, bound to the verified
+            // certificate: an agent cannot promote itself by its id alone.
+            let names = request
+                .extensions()
+                .get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(TlsConnectInfo::peer_certs)
+                .and_then(|certs| certs.first().map(|cert| certificate_names(cert)))
+                .unwrap_or_default();
+            if !names.contains(&agent_id) {
+                tracing::warn!(%agent_id, ?names, "refused a control-plane agent id not named by its certificate");
+                return Err(Status::permission_denied(format!(
+                    "agent id {agent_id:?} is a control-plane id (--control-plane-agent-ids) but the client \
+                     certificate names {names:?}"
+                )));
+            }
+        }
         let (outbound_tx, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
         let (commands_tx, commands_rx) = mpsc::channel(COMMAND_QUEUE);
         let backend = Arc::new(Backend::new(
             BackendId(self.next_backend.fetch_add(1, Ordering::Relaxed)),
             agent_id,
             identifiers,
+            control_plane,
             outbound_tx,
             commands_tx,
             self.metrics.clone(),
         ));
-        tracing::info!(agent_id = %backend.agent_id, identifiers = %backend.identifiers, "agent connected");
+        tracing::info!(
+            agent_id = %backend.agent_id,
+            identifiers = %backend.identifiers,
+            control_plane,
+            "agent connected"
+        );
         self.registry.add(backend.clone());
 
         let open = GaugeGuard::new(&self.metrics.grpc_connections("Connect"));

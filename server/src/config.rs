@@ -13,6 +13,7 @@ use konnectivity_plumbing::klog::KlogArgs;
 use konnectivity_plumbing::tls::{Identity, PemFile};
 
 use crate::backend::strategy::{Strategy, parse_strategies};
+use crate::policy::{AllowedDestination, parse_allowed};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -152,6 +153,24 @@ pub struct Args {
           default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
     pub warn_on_channel_limit: bool,
 
+    /// Port of the node frontend: ProxyService for node agents tunneling captured
+    /// connections to the API server (0 = off).
+    #[arg(long, value_parser = parse_port, default_value = "0", help_heading = "Node-to-KAS (konnectivity-rs)")]
+    pub node_frontend_port: u16,
+    /// Bind address of the node frontend; empty means all interfaces.
+    #[arg(long, default_value = "", help_heading = "Node-to-KAS (konnectivity-rs)")]
+    pub node_frontend_bind_address: String,
+    /// CA that node agents' client certificates must chain to (required with --node-frontend-port).
+    #[arg(long, default_value = "", help_heading = "Node-to-KAS (konnectivity-rs)")]
+    pub node_client_ca_cert: String,
+    /// What node clients may dial: comma-separated IP:PORT or CIDR:PORT (IPv6 in brackets).
+    #[arg(long, default_value = "", help_heading = "Node-to-KAS (konnectivity-rs)")]
+    pub node_allowed_destinations: String,
+    /// Agent ids of control-plane agents: the only agents node dials use, never used for
+    /// ordinary egress. Needs --cluster-ca-cert: the agent's certificate must name its id.
+    #[arg(long, value_parser = parse_list, default_value = "", help_heading = "Node-to-KAS (konnectivity-rs)")]
+    pub control_plane_agent_ids: GoList,
+
     #[command(flatten)]
     pub klog: KlogArgs,
 }
@@ -171,6 +190,14 @@ pub enum FrontendListen {
     },
 }
 
+/// The node frontend and its policy (`--node-*` flags).
+#[derive(Clone, Debug)]
+pub struct NodeFrontend {
+    pub addr: SocketAddr,
+    pub client_ca: PemFile,
+    pub allowed: Vec<AllowedDestination>,
+}
+
 /// The validated configuration the server runs with.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -186,6 +213,9 @@ pub struct Config {
     pub backend_dial_timeout: Option<Duration>,
     pub xfr_channel_size: usize,
     pub tls_versions: TlsVersions,
+    pub node_frontend: Option<NodeFrontend>,
+    /// Agent ids that are control-plane agents (bound to their certificates).
+    pub control_plane_agent_ids: Vec<String>,
 }
 
 /// Which TLS versions the listeners offer (`--tls-min-version`).
@@ -348,6 +378,20 @@ impl Config {
         }
         pem_file("kubeconfig", &args.kubeconfig)?;
         let tls_versions = tls_versions(&args.tls_min_version)?;
+        let node_frontend = node_frontend(args)?;
+        let control_plane_agent_ids = args.control_plane_agent_ids.0.clone();
+        if !control_plane_agent_ids.is_empty() && args.cluster_ca_cert.is_empty() {
+            return Err(invalid(
+                "control-plane-agent-ids",
+                "needs --cluster-ca-cert, so that an agent's certificate proves its control-plane id",
+            ));
+        }
+        if node_frontend.is_some() && control_plane_agent_ids.is_empty() {
+            return Err(invalid(
+                "control-plane-agent-ids",
+                "must name at least one agent when --node-frontend-port is set: node dials go only to control-plane agents",
+            ));
+        }
         let strategies = parse_strategies(&args.proxy_strategies)
             .map_err(|message| invalid("proxy-strategies", message))?;
         let server_id = if args.server_id.is_empty() {
@@ -368,8 +412,43 @@ impl Config {
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
             xfr_channel_size: args.xfr_channel_size,
             tls_versions,
+            node_frontend,
+            control_plane_agent_ids,
         })
     }
+}
+
+fn node_frontend(args: &Args) -> Result<Option<NodeFrontend>, ConfigError> {
+    if args.node_frontend_port == 0 {
+        for (flag, value) in [
+            ("node-client-ca-cert", &args.node_client_ca_cert),
+            ("node-allowed-destinations", &args.node_allowed_destinations),
+        ] {
+            if !value.is_empty() {
+                return Err(invalid(flag, "has no effect without --node-frontend-port"));
+            }
+        }
+        return Ok(None);
+    }
+    let client_ca = pem_file("node-client-ca-cert", &args.node_client_ca_cert)?
+        .ok_or_else(|| invalid("node-client-ca-cert", "must be set with --node-frontend-port"))?;
+    let allowed = parse_allowed(&args.node_allowed_destinations)
+        .map_err(|message| invalid("node-allowed-destinations", message))?;
+    if allowed.is_empty() {
+        return Err(invalid(
+            "node-allowed-destinations",
+            "must list the API server endpoints node clients may reach",
+        ));
+    }
+    Ok(Some(NodeFrontend {
+        addr: bind_address(
+            "node-frontend-bind-address",
+            &args.node_frontend_bind_address,
+            args.node_frontend_port,
+        )?,
+        client_ca,
+        allowed,
+    }))
 }
 
 /// Upstream's `--tls-min-version` names mapped to what rustls offers. TLS 1.0

@@ -10,6 +10,7 @@ pub mod config;
 pub mod frontend;
 pub mod health;
 pub mod metrics;
+pub mod policy;
 pub mod tunnel;
 
 use std::future::Future;
@@ -31,6 +32,7 @@ use crate::frontend::grpc::ProxyServer;
 use crate::frontend::{connect, listen};
 use crate::health::ServerEndpoints;
 use crate::metrics::ServerMetrics;
+use crate::policy::FrontendClass;
 use crate::tunnel::Dialer;
 
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +96,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         metrics.clone(),
         &config.server_id,
         config.server_count,
+        config.control_plane_agent_ids.clone(),
     )
     .map_err(ServeError::Config)?;
     let agent_server = tonic::transport::Server::builder()
@@ -108,6 +111,32 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         metrics,
         timeout: config.backend_dial_timeout,
         channel_size: config.xfr_channel_size,
+        class: FrontendClass::Apiserver,
+        node_allowed: Arc::new(Vec::new()),
+    };
+    let node_task = match &config.node_frontend {
+        Some(node) => {
+            let listener = bind_tcp("node frontend (--node-frontend-port)", node.addr).await?;
+            let tls = tls::server_config(
+                &config.agent_identity,
+                Some(&node.client_ca),
+                &[b"h2"],
+                tls13_only,
+            )?;
+            let streams = tls::accept_tls(listener, TlsAcceptor::from(Arc::new(tls)), "node frontend");
+            let incoming = ReceiverStream::new(streams).map(Ok::<_, std::io::Error>);
+            let node_dialer = Dialer {
+                class: FrontendClass::Node,
+                node_allowed: Arc::new(node.allowed.clone()),
+                ..dialer.clone()
+            };
+            Some(tokio::spawn(async move {
+                if let Err(error) = grpc_frontend(node_dialer).serve_with_incoming(incoming).await {
+                    tracing::error!(%error, "node frontend failed");
+                }
+            }))
+        }
+        None => None,
     };
     let mut frontend_task = match (&config.mode, &config.frontend) {
         (
@@ -184,6 +213,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         },
     };
     frontend_task.abort();
+    if let Some(node_task) = node_task {
+        node_task.abort();
+    }
     health_task.abort();
     if let FrontendListen::Uds { path, .. } = &config.frontend {
         let _ = std::fs::remove_file(path);

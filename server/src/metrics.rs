@@ -29,6 +29,8 @@ pub enum DialFailure {
     Timeout,
     /// No backend could be selected.
     NoBackend,
+    /// A node client asked for a destination outside the allow-list.
+    NodePolicy,
 }
 
 impl DialFailure {
@@ -40,6 +42,7 @@ impl DialFailure {
             DialFailure::BackendClose => "backend_close",
             DialFailure::Timeout => "timeout",
             DialFailure::NoBackend => "no_backend",
+            DialFailure::NodePolicy => "node_policy",
         }
     }
 }

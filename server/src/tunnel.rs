@@ -12,12 +12,15 @@ use tokio::sync::mpsc;
 use crate::backend::registry::Registry;
 use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, ServerMetrics};
+use crate::policy::{AllowedDestination, FrontendClass, PolicyError, check_node_destination};
 
 /// Why a dial did not produce a connection. The text reaches the client.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum DialError {
     #[error("No agent available")]
     NoBackend,
+    #[error("{0}")]
+    Policy(#[from] PolicyError),
     /// The agent's own error text, passed through unchanged.
     #[error("{0}")]
     Agent(String),
@@ -32,6 +35,7 @@ impl DialError {
     pub fn http_status(&self) -> u16 {
         match self {
             DialError::NoBackend => 500,
+            DialError::Policy(_) => 403,
             DialError::Timeout(_) => 504,
             DialError::BackendGone => 502,
             DialError::Agent(text) => {
@@ -57,14 +61,25 @@ pub struct Dialer {
     pub timeout: Option<Duration>,
     /// `--xfr-channel-size`: events buffered per connection.
     pub channel_size: usize,
+    /// Who dials through this dialer, which decides agents and destinations.
+    pub class: FrontendClass,
+    /// For node clients: the destinations they may reach.
+    pub node_allowed: Arc<Vec<AllowedDestination>>,
 }
 
 impl Dialer {
     /// Dials `address` (`host:port`) with a dial id of the caller's choosing
     /// (gRPC clients pick their own; HTTP CONNECT uses a random one).
     pub async fn dial(&self, address: &str, dial_id: DialId) -> Result<TunnelConn, DialError> {
+        if self.class == FrontendClass::Node
+            && let Err(refused) = check_node_destination(&self.node_allowed, address)
+        {
+            self.metrics.dial_failed(DialFailure::NodePolicy);
+            tracing::warn!(%address, error = %refused, "node dial refused by policy");
+            return Err(refused.into());
+        }
         let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
-        let Some(backend) = self.registry.select(host) else {
+        let Some(backend) = self.registry.select(host, self.class) else {
             self.metrics.dial_failed(DialFailure::NoBackend);
             return Err(DialError::NoBackend);
         };

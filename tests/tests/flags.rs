@@ -63,6 +63,61 @@ fn invalid_server_flags_exit_2_naming_the_flag() {
 }
 
 #[test]
+fn invalid_node_frontend_flags_exit_2_naming_the_flag() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let base = [
+        "--uds-name=/tmp/x.sock".to_owned(),
+        "--server-port=0".to_owned(),
+        format!("--cluster-cert={file}"),
+        format!("--cluster-key={file}"),
+    ];
+    let node = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    };
+    let ca = format!("--node-client-ca-cert={file}");
+    let cluster_ca = format!("--cluster-ca-cert={file}");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (node(&["--node-frontend-port=28100"]), "--node-client-ca-cert"),
+        (
+            node(&[
+                "--node-frontend-port=28100",
+                &ca,
+                "--node-allowed-destinations=10.0.0.1",
+            ]),
+            "--node-allowed-destinations",
+        ),
+        (
+            node(&[
+                "--node-frontend-port=28100",
+                &ca,
+                "--node-allowed-destinations=10.0.0.1:443",
+                &cluster_ca,
+            ]),
+            "--control-plane-agent-ids",
+        ),
+        (
+            node(&["--control-plane-agent-ids=cp-1"]),
+            "--control-plane-agent-ids",
+        ),
+        (
+            node(&["--node-allowed-destinations=10.0.0.1:443"]),
+            "--node-allowed-destinations",
+        ),
+    ];
+    for (args, flag) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, stderr) = run("proxy-server", &args);
+        assert_eq!(code, Some(2), "{args:?} should exit 2: {stderr}");
+        assert!(
+            stderr.contains(flag),
+            "{args:?}: message should name {flag}: {stderr}"
+        );
+    }
+}
+
+#[test]
 fn invalid_agent_flags_exit_2_naming_the_flag() {
     let cases: &[(&[&str], &str)] = &[
         (&["--agent-identifiers=zone=a"], "--agent-identifiers"),

@@ -29,6 +29,8 @@ pub struct Backend {
     pub id: BackendId,
     pub agent_id: String,
     pub identifiers: AgentIdentifiers,
+    /// A control-plane agent: serves node dials only (see [`crate::policy`]).
+    pub control_plane: bool,
     /// Packets to the agent, in order; the gRPC response stream drains it.
     outbound: mpsc::Sender<Packet>,
     /// Requests to this stream's session task.
@@ -70,10 +72,12 @@ pub const AGENT_DISCONNECTED: &str = "agent disconnected";
 pub struct BackendGone;
 
 impl Backend {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: BackendId,
         agent_id: String,
         identifiers: AgentIdentifiers,
+        control_plane: bool,
         outbound: mpsc::Sender<Packet>,
         commands: mpsc::Sender<Command>,
         metrics: Arc<ServerMetrics>,
@@ -82,6 +86,7 @@ impl Backend {
             id,
             agent_id,
             identifiers,
+            control_plane,
             outbound,
             commands,
             draining: AtomicBool::new(false),

@@ -6,6 +6,7 @@ use std::sync::{Arc, RwLock};
 use super::strategy::{self, Strategy};
 use super::{Backend, BackendId};
 use crate::metrics::ServerMetrics;
+use crate::policy::FrontendClass;
 
 pub struct Registry {
     backends: RwLock<Vec<Arc<Backend>>>,
@@ -34,10 +35,20 @@ impl Registry {
         self.metrics.ready_backends.set(backends.len() as i64);
     }
 
-    /// Chooses a backend for a dial to `host` by the configured strategies.
-    pub fn select(&self, host: &str) -> Option<Arc<Backend>> {
+    /// Chooses a backend for a dial to `host` from a frontend of `class`:
+    /// node dials go only to control-plane agents (any of them), ordinary
+    /// egress never does and follows the configured strategies.
+    pub fn select(&self, host: &str, class: FrontendClass) -> Option<Arc<Backend>> {
         let backends = self.backends.read().expect("registry lock poisoned");
-        strategy::select(&self.strategies, &backends, host)
+        let eligible: Vec<Arc<Backend>> = backends
+            .iter()
+            .filter(|b| b.control_plane == (class == FrontendClass::Node))
+            .cloned()
+            .collect();
+        match class {
+            FrontendClass::Node => strategy::select(&[Strategy::Default], &eligible, host),
+            FrontendClass::Apiserver => strategy::select(&self.strategies, &eligible, host),
+        }
     }
 
     pub fn len(&self) -> usize {

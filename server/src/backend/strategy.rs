@@ -90,6 +90,7 @@ mod tests {
             BackendId(id),
             format!("agent-{id}"),
             AgentIdentifiers::parse(identifiers).unwrap(),
+            false,
             outbound,
             commands,
             Arc::new(crate::metrics::ServerMetrics::default()),

@@ -27,6 +27,12 @@ pub struct Pki {
     pub client: CertFiles,
     /// A client certificate from a CA the server does not trust.
     pub stranger: CertFiles,
+    /// The CA of node agents' client certificates (the node frontend's).
+    pub node_ca: PathBuf,
+    /// A node agent's client certificate, from `node_ca`.
+    pub node_client: CertFiles,
+    /// A control-plane agent's certificate: CN and DNS SAN `cp-1`.
+    pub control_plane_agent: CertFiles,
 }
 
 fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -64,6 +70,9 @@ impl Pki {
         let other = ca("untrusted-ca");
         let ca_path = dir.join("ca.crt");
         std::fs::write(&ca_path, authority.pem()).unwrap();
+        let node_authority = ca("konnectivity-node-client-ca");
+        let node_ca = dir.join("node-ca.crt");
+        std::fs::write(&node_ca, node_authority.pem()).unwrap();
         Pki {
             ca: ca_path,
             server: leaf(
@@ -88,6 +97,21 @@ impl Pki {
                 &authority,
             ),
             stranger: leaf(dir, "stranger", &[], ExtendedKeyUsagePurpose::ClientAuth, &other),
+            node_client: leaf(
+                dir,
+                "node-1",
+                &[],
+                ExtendedKeyUsagePurpose::ClientAuth,
+                &node_authority,
+            ),
+            control_plane_agent: leaf(
+                dir,
+                "cp-1",
+                &["cp-1"],
+                ExtendedKeyUsagePurpose::ClientAuth,
+                &authority,
+            ),
+            node_ca,
         }
     }
 
