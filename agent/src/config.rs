@@ -9,6 +9,8 @@ use konnectivity_plumbing::flags::{
     GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
 };
 use konnectivity_plumbing::klog::KlogArgs;
+
+use crate::capture::map::{Capture, CaptureMap};
 use konnectivity_plumbing::tls::{Identity, PemFile};
 use konnectivity_proto::AgentIdentifiers;
 
@@ -109,8 +111,44 @@ pub struct Args {
     #[arg(long, value_parser = parse_duration, default_value = "5s", help_heading = "konnectivity-rs additions")]
     pub dial_timeout: Duration,
 
+    /// Capture connections to VIP:PORT and tunnel them to TARGET:PORT through the
+    /// server's node frontend (repeatable), e.g. 10.96.0.1:443=10.222.1.10:6443.
+    #[arg(long = "capture", value_name = "VIP:PORT=TARGET:PORT", value_parser = Capture::parse,
+          action = ArgAction::Append, help_heading = "Node capture (konnectivity-rs)")]
+    pub captures: Vec<Capture>,
+    /// Port of the capture listener on 127.0.0.1 (and ::1) that the rules redirect to.
+    #[arg(
+        long,
+        default_value_t = 15443,
+        help_heading = "Node capture (konnectivity-rs)"
+    )]
+    pub capture_port: u16,
+    /// SO_MARK on the agent's own sockets; the capture rules skip it (hex or decimal).
+    #[arg(long, value_parser = parse_mark, default_value = "0x4b4e", help_heading = "Node capture (konnectivity-rs)")]
+    pub capture_mark: u32,
+    /// The server's node frontend port on --proxy-server-host.
+    #[arg(long, default_value_t = 0, help_heading = "Node capture (konnectivity-rs)")]
+    pub node_frontend_port: u16,
+    /// Client certificate for the node frontend (from the server's --node-client-ca-cert).
+    #[arg(long, default_value = "", help_heading = "Node capture (konnectivity-rs)")]
+    pub node_client_cert: String,
+    /// Key of --node-client-cert.
+    #[arg(long, default_value = "", help_heading = "Node capture (konnectivity-rs)")]
+    pub node_client_key: String,
+
     #[command(flatten)]
     pub klog: KlogArgs,
+}
+
+fn parse_mark(text: &str) -> Result<u32, String> {
+    let parsed = match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => text.parse(),
+    };
+    parsed
+        .ok()
+        .filter(|mark| *mark != 0)
+        .ok_or_else(|| format!("invalid mark {text:?} (a non-zero number, hex with 0x)"))
 }
 
 #[derive(Clone, Debug)]
@@ -127,6 +165,17 @@ pub struct Config {
     pub health_addr: SocketAddr,
     pub xfr_channel_size: usize,
     pub dial_timeout: Duration,
+    pub node: Option<NodeConfig>,
+}
+
+/// The node role (enabled by `--capture`).
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub captures: CaptureMap,
+    pub capture_port: u16,
+    pub mark: u32,
+    pub node_frontend_port: u16,
+    pub identity: Identity,
 }
 
 /// A flag with a bad value, or flags that conflict. Exits with status 2.
@@ -210,6 +259,7 @@ impl Config {
         }
         pem_file("service-account-token-path", &args.service_account_token_path)?;
         pem_file("kubeconfig", &args.kubeconfig)?;
+        let node = node_config(args)?;
         let identifiers = AgentIdentifiers::parse(&args.agent_identifiers)
             .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
         let health_ip = if args.health_server_host.is_empty() {
@@ -247,8 +297,41 @@ impl Config {
             health_addr: SocketAddr::new(health_ip, args.health_server_port),
             xfr_channel_size: args.xfr_channel_size,
             dial_timeout: args.dial_timeout,
+            node,
         })
     }
+}
+
+fn node_config(args: &Args) -> Result<Option<NodeConfig>, ConfigError> {
+    if args.captures.is_empty() {
+        return Ok(None);
+    }
+    let captures = CaptureMap::new(args.captures.clone()).map_err(|message| invalid("capture", message))?;
+    if args.node_frontend_port == 0 {
+        return Err(invalid("node-frontend-port", "must be set with --capture"));
+    }
+    if args.capture_port == 0 {
+        return Err(invalid("capture-port", "must not be 0"));
+    }
+    let identity = match (
+        pem_file("node-client-cert", &args.node_client_cert)?,
+        pem_file("node-client-key", &args.node_client_key)?,
+    ) {
+        (Some(cert), Some(key)) => Identity { cert, key },
+        _ => {
+            return Err(invalid(
+                "node-client-cert",
+                "--node-client-cert and --node-client-key must be set with --capture",
+            ));
+        }
+    };
+    Ok(Some(NodeConfig {
+        captures,
+        capture_port: args.capture_port,
+        mark: args.capture_mark,
+        node_frontend_port: args.node_frontend_port,
+        identity,
+    }))
 }
 
 impl Args {

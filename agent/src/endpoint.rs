@@ -19,9 +19,26 @@ use crate::metrics::{AgentMetrics, DialFailure};
 pub struct DialError(pub String);
 
 /// Dials `address` (`host:port`) within `timeout`.
-pub async fn dial(address: &str, timeout: Duration, metrics: &AgentMetrics) -> Result<TcpStream, DialError> {
+pub async fn dial(
+    address: &str,
+    timeout: Duration,
+    mark: Option<u32>,
+    metrics: &AgentMetrics,
+) -> Result<TcpStream, DialError> {
     let started = Instant::now();
-    match tokio::time::timeout(timeout, TcpStream::connect(address)).await {
+    let connect = async {
+        match (mark, address.rsplit_once(':')) {
+            (Some(mark), Some((host, port))) => {
+                let port = port
+                    .parse()
+                    .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "invalid port"))?;
+                let host = host.trim_start_matches('[').trim_end_matches(']');
+                konnectivity_plumbing::net::connect_marked(host, port, Some(mark)).await
+            }
+            _ => TcpStream::connect(address).await,
+        }
+    };
+    match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(stream)) => {
             metrics.dial_duration.observe(started.elapsed().as_secs_f64());
             let _ = stream.set_nodelay(true);
@@ -130,7 +147,7 @@ mod tests {
         let address = listener.local_addr().unwrap().to_string();
         drop(listener);
         let metrics = AgentMetrics::default();
-        let error = dial(&address, Duration::from_secs(5), &metrics)
+        let error = dial(&address, Duration::from_secs(5), None, &metrics)
             .await
             .unwrap_err();
         assert_eq!(

@@ -7,11 +7,14 @@ use http::StatusCode;
 use konnectivity_plumbing::http::{Endpoints, Reply};
 use konnectivity_plumbing::metrics;
 
+use crate::capture::NodeReadiness;
 use crate::metrics::AgentMetrics;
 
 pub struct AgentEndpoints {
     pub metrics: Arc<AgentMetrics>,
     pub draining: Arc<AtomicBool>,
+    /// Set when the node role runs: ready needs its rules and tunnel too.
+    pub node_readiness: Option<Arc<NodeReadiness>>,
 }
 
 impl Endpoints for AgentEndpoints {
@@ -22,6 +25,11 @@ impl Endpoints for AgentEndpoints {
             "/readyz" => {
                 if self.draining.load(Ordering::Relaxed) {
                     Reply::text(StatusCode::SERVICE_UNAVAILABLE, "not ready: draining\n")
+                } else if self.node_readiness.as_ref().is_some_and(|node| !node.is_ready()) {
+                    Reply::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "not ready: capture rules or node tunnel not in place\n",
+                    )
                 } else if self.metrics.open_server_connections.get() == 0 {
                     Reply::text(
                         StatusCode::SERVICE_UNAVAILABLE,

@@ -4,6 +4,7 @@
 //! [`session`] (serving one stream), [`endpoint`] (the TCP connections
 //! opened for the server), [`health`] and [`metrics`].
 
+pub mod capture;
 pub mod config;
 pub mod endpoint;
 pub mod health;
@@ -19,6 +20,7 @@ use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_plumbing::tls::{self, TlsError};
 use tokio::sync::watch;
 
+use crate::capture::{CaptureError, NodeReadiness, NodeSettings};
 use crate::config::Config;
 use crate::health::AgentEndpoints;
 use crate::metrics::AgentMetrics;
@@ -34,6 +36,8 @@ pub enum AgentError {
     },
     #[error(transparent)]
     Tls(#[from] TlsError),
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
 }
 
 /// Reconnection backoff as upstream's: start at --sync-interval, grow ×1.5
@@ -79,9 +83,11 @@ pub async fn run(
             addr: config.health_addr,
             source,
         })?;
+    let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
     let endpoints = Arc::new(AgentEndpoints {
         metrics: metrics.clone(),
         draining,
+        node_readiness: node_readiness.clone(),
     });
     let _health = AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
         health, endpoints,
@@ -95,13 +101,46 @@ pub async fn run(
         tls: Arc::new(tls),
         agent_id: config.agent_id.clone(),
         identifiers: config.identifiers.clone(),
+        mark: config.node.as_ref().map(|node| node.mark),
     };
     let settings = SessionSettings {
         dial_timeout: config.dial_timeout,
         xfr_channel_size: config.xfr_channel_size,
+        mark: config.node.as_ref().map(|node| node.mark),
     };
     tracing::info!(agent_id = %config.agent_id, server = %target.address(), "proxy-agent started");
 
+    let egress = serve_servers(target, settings, metrics.clone(), drain, &config);
+    let (Some(node), Some(readiness)) = (&config.node, node_readiness) else {
+        egress.await;
+        return Ok(());
+    };
+    let node_tls = tls::client_config(config.ca_cert.as_ref(), Some(&node.identity), &[b"h2"])?;
+    let node_settings = NodeSettings {
+        captures: node.captures.clone(),
+        capture_port: node.capture_port,
+        mark: node.mark,
+        server_host: config.server_host.clone(),
+        node_frontend_port: node.node_frontend_port,
+        tls: Arc::new(node_tls),
+        sync_interval: config.sync_interval,
+        sync_interval_cap: config.sync_interval_cap,
+    };
+    tokio::select! {
+        result = capture::run(node_settings, metrics, readiness) => result.map_err(AgentError::from),
+        () = egress => Ok(()),
+    }
+}
+
+/// Holds the agent's stream to the server and serves it, reconnecting with
+/// upstream's backoff, forever.
+async fn serve_servers(
+    target: ServerTarget,
+    settings: SessionSettings,
+    metrics: Arc<AgentMetrics>,
+    drain: watch::Receiver<bool>,
+    config: &Config,
+) {
     let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
     loop {
         match target.connect().await {

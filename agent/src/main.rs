@@ -17,8 +17,9 @@ fn main() -> anyhow::Result<()> {
     tracing::info!(?config, "effective configuration");
     konnectivity_plumbing::klog::warn_inert(&args.inert_settings());
 
+    let captures = config.node.is_some();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    runtime.block_on(async {
+    let result = runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
         let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
         let draining = Arc::new(AtomicBool::new(false));
@@ -41,5 +42,14 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
         }
-    })
+    });
+    // A clean exit takes the capture rules away; a crash leaves them, so a
+    // restarted agent finds them in place and resumes at once.
+    if captures {
+        match konnectivity_agent::capture::remove_rules() {
+            Ok(()) => tracing::info!("capture rules removed"),
+            Err(error) => tracing::warn!(%error, "could not remove the capture rules"),
+        }
+    }
+    result
 }

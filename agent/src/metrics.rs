@@ -18,6 +18,18 @@ pub enum DialFailure {
     Unknown,
 }
 
+/// What became of a captured connection (node role).
+#[derive(Clone, Copy, Debug)]
+pub enum CaptureOutcome {
+    Tunneled,
+    /// Its original destination is not in the capture map: closed, never forwarded.
+    UnknownDestination,
+    /// The node tunnel is not connected: reset so the client retries.
+    TunnelUnavailable,
+    /// The server or control-plane agent could not reach the target.
+    DialFailed,
+}
+
 #[derive(Debug)]
 pub struct AgentMetrics {
     pub registry: Registry,
@@ -26,6 +38,9 @@ pub struct AgentMetrics {
     pub dial_duration: Histogram,
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
     pub alive_tasks: Gauge,
+    /// Not upstream's: captured connections being tunneled now.
+    pub captured_connections_open: Gauge,
+    captured: Family<Labels, Counter>,
     dial_failures: Family<Labels, Counter>,
 }
 
@@ -37,6 +52,18 @@ impl Default for AgentMetrics {
         let dial_duration = Histogram::new(LATENCY_BUCKETS);
         let dial_failures = Family::<Labels, Counter>::default();
         let alive_tasks = Gauge::default();
+        let captured_connections_open = Gauge::default();
+        let captured = Family::<Labels, Counter>::default();
+        registry.register(
+            "captured_connections_open",
+            "Captured node connections being tunneled now",
+            captured_connections_open.clone(),
+        );
+        registry.register(
+            "captured_connections",
+            "Captured node connections, by outcome",
+            captured.clone(),
+        );
         registry.register(
             "runtime_alive_tasks",
             "Tasks alive in the agent's async runtime",
@@ -70,12 +97,24 @@ impl Default for AgentMetrics {
             open_endpoint_connections,
             dial_duration,
             alive_tasks,
+            captured_connections_open,
+            captured,
             dial_failures,
         }
     }
 }
 
 impl AgentMetrics {
+    pub fn captured(&self, outcome: CaptureOutcome) {
+        let outcome = match outcome {
+            CaptureOutcome::Tunneled => "tunneled",
+            CaptureOutcome::UnknownDestination => "unknown_destination",
+            CaptureOutcome::TunnelUnavailable => "tunnel_unavailable",
+            CaptureOutcome::DialFailed => "dial_failed",
+        };
+        self.captured.get_or_create(&vec![("outcome", outcome)]).inc();
+    }
+
     pub fn dial_failed(&self, reason: DialFailure) {
         let reason = match reason {
             DialFailure::Timeout => "timeout",

@@ -10,7 +10,6 @@ use hyper_util::rt::TokioIo;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
 use konnectivity_proto::{AgentIdentifiers, Packet};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
@@ -54,6 +53,8 @@ pub struct ServerTarget {
     pub tls: Arc<rustls::ClientConfig>,
     pub agent_id: String,
     pub identifiers: AgentIdentifiers,
+    /// SO_MARK for the connection when the node role captures traffic.
+    pub mark: Option<u32>,
 }
 
 /// An open AgentService stream.
@@ -77,6 +78,7 @@ impl ServerTarget {
         let address = self.address();
         let host = self.host.clone();
         let port = self.port;
+        let mark = self.mark;
         let connector = TlsConnector::from(self.tls.clone());
         // The URI only fills :authority; the connector below does the dialing.
         let endpoint = Endpoint::from_shared(format!("http://{address}"))
@@ -93,8 +95,9 @@ impl ServerTarget {
                 let connector = connector.clone();
                 async move {
                     let name = konnectivity_plumbing::tls::server_name(&host)?;
-                    let tcp = TcpStream::connect((host.trim_matches(['[', ']']), port)).await?;
-                    tcp.set_nodelay(true)?;
+                    let tcp =
+                        konnectivity_plumbing::net::connect_marked(host.trim_matches(['[', ']']), port, mark)
+                            .await?;
                     let tls = connector.connect(name, tcp).await?;
                     Ok::<_, io::Error>(TokioIo::new(tls))
                 }

@@ -20,6 +20,9 @@ use crate::metrics::AgentMetrics;
 pub struct SessionSettings {
     pub dial_timeout: Duration,
     pub xfr_channel_size: usize,
+    /// SO_MARK for endpoint dials when the node role's capture rules are
+    /// installed, so the agent's own dials are never captured.
+    pub mark: Option<u32>,
 }
 
 struct Endpoint {
@@ -187,10 +190,11 @@ impl Session {
         }
         // Dial on its own task: the receive loop never waits for a dial.
         let timeout = self.settings.dial_timeout;
+        let mark = self.settings.mark;
         let metrics = self.metrics.clone();
         let dialed = self.dialed_tx.clone();
         let task = tokio::spawn(async move {
-            let result = endpoint::dial(&address, timeout, &metrics).await;
+            let result = endpoint::dial(&address, timeout, mark, &metrics).await;
             let _ = dialed.send(Dialed { dial_id, result }).await;
         });
         self.dials.insert(dial_id, task.abort_handle());

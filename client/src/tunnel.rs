@@ -8,7 +8,7 @@ use std::time::Duration;
 use hyper_util::rt::TokioIo;
 use konnectivity_proto::wire::proxy_service_client::ProxyServiceClient;
 use konnectivity_proto::{DialId, Frame, Packet};
-use tokio::net::{TcpStream, UnixStream};
+use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
@@ -77,6 +77,17 @@ impl Tunnel {
         port: u16,
         tls: Arc<rustls::ClientConfig>,
     ) -> Result<Tunnel, ConnectError> {
+        Self::connect_tls_marked(host, port, tls, None).await
+    }
+
+    /// As [`Tunnel::connect_tls`], with `SO_MARK` on the TCP socket so that
+    /// a node agent's own capture rules skip it (needs CAP_NET_ADMIN).
+    pub async fn connect_tls_marked(
+        host: &str,
+        port: u16,
+        tls: Arc<rustls::ClientConfig>,
+        mark: Option<u32>,
+    ) -> Result<Tunnel, ConnectError> {
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![b"h2".to_vec()];
         let connector = TlsConnector::from(Arc::new(tls));
@@ -87,8 +98,7 @@ impl Tunnel {
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let (connector, name, host) = (connector.clone(), name.clone(), host.clone());
                 async move {
-                    let tcp = TcpStream::connect((host.as_str(), port)).await?;
-                    tcp.set_nodelay(true)?;
+                    let tcp = konnectivity_plumbing::net::connect_marked(&host, port, mark).await?;
                     Ok::<_, io::Error>(TokioIo::new(connector.connect(name, tcp).await?))
                 }
             }))

@@ -7,6 +7,7 @@ pub mod http;
 pub mod klog;
 pub mod logging;
 pub mod metrics;
+pub mod net;
 pub mod signals;
 pub mod tls;
 

@@ -33,6 +33,9 @@ pub struct Pki {
     pub node_client: CertFiles,
     /// A control-plane agent's certificate: CN and DNS SAN `cp-1`.
     pub control_plane_agent: CertFiles,
+    /// The kube-apiserver stand-in: SANs the service VIPs 10.96.0.1 and
+    /// fd00:96::1, the private endpoint 10.222.1.10 and kubernetes.default.
+    pub kas: CertFiles,
 }
 
 fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -78,7 +81,8 @@ impl Pki {
             server: leaf(
                 dir,
                 "proxy-server",
-                &["localhost", "127.0.0.1"],
+                // 10.222.0.2: the server's address in the network-namespace tests.
+                &["localhost", "127.0.0.1", "10.222.0.2"],
                 ExtendedKeyUsagePurpose::ServerAuth,
                 &authority,
             ),
@@ -109,6 +113,13 @@ impl Pki {
                 "cp-1",
                 &["cp-1"],
                 ExtendedKeyUsagePurpose::ClientAuth,
+                &authority,
+            ),
+            kas: leaf(
+                dir,
+                "kube-apiserver-standin",
+                &["10.96.0.1", "fd00:96::1", "10.222.1.10", "kubernetes.default"],
+                ExtendedKeyUsagePurpose::ServerAuth,
                 &authority,
             ),
             node_ca,

@@ -44,6 +44,11 @@ impl Proc {
         Self::spawn_path(program, Path::new(program), args, log_dir)
     }
 
+    /// Spawns `program` (e.g. `ip netns exec ...`) under the name `name`.
+    pub fn spawn_named(name: &str, program: &str, args: &[String], log_dir: &Path) -> Proc {
+        Self::spawn_path(name, Path::new(program), args, log_dir)
+    }
+
     fn spawn_path(binary: &str, path: &Path, args: &[String], log_dir: &Path) -> Proc {
         static SPAWNED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
