@@ -5,6 +5,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use clap::{ArgAction, Parser};
+use konnectivity_plumbing::flags::{FlagError, identity_pair, invalid, pem_file};
 use konnectivity_plumbing::flags::{
     GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
 };
@@ -178,30 +179,8 @@ pub struct NodeConfig {
     pub identity: Identity,
 }
 
-/// A flag with a bad value, or flags that conflict. Exits with status 2.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid flag --{flag}: {message}")]
-pub struct ConfigError {
-    pub flag: &'static str,
-    pub message: String,
-}
-
-fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        flag,
-        message: message.into(),
-    }
-}
-
-fn pem_file(flag: &'static str, value: &str) -> Result<Option<PemFile>, ConfigError> {
-    if value.is_empty() {
-        return Ok(None);
-    }
-    if !std::path::Path::new(value).is_file() {
-        return Err(invalid(flag, format!("{value}: no such file")));
-    }
-    Ok(Some(PemFile::new(flag, value)))
-}
+/// Errors name the flag at fault; main exits with status 2 on them.
+pub type ConfigError = FlagError;
 
 impl Config {
     pub fn from_args(args: &Args) -> Result<Config, ConfigError> {
@@ -313,18 +292,16 @@ fn node_config(args: &Args) -> Result<Option<NodeConfig>, ConfigError> {
     if args.capture_port == 0 {
         return Err(invalid("capture-port", "must not be 0"));
     }
-    let identity = match (
-        pem_file("node-client-cert", &args.node_client_cert)?,
-        pem_file("node-client-key", &args.node_client_key)?,
-    ) {
-        (Some(cert), Some(key)) => Identity { cert, key },
-        _ => {
-            return Err(invalid(
-                "node-client-cert",
-                "--node-client-cert and --node-client-key must be set with --capture",
-            ));
-        }
-    };
+    let identity = identity_pair(
+        ("node-client-cert", &args.node_client_cert),
+        ("node-client-key", &args.node_client_key),
+    )?
+    .ok_or_else(|| {
+        invalid(
+            "node-client-cert",
+            "--node-client-cert and --node-client-key must be set with --capture",
+        )
+    })?;
     Ok(Some(NodeConfig {
         captures,
         capture_port: args.capture_port,

@@ -4,6 +4,49 @@
 
 use std::time::Duration;
 
+use crate::tls::{Identity, PemFile};
+
+/// A flag with a bad value, or flags that conflict. Binaries exit with
+/// status 2 on it, as Go's flag package does.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid flag --{flag}: {message}")]
+pub struct FlagError {
+    pub flag: &'static str,
+    pub message: String,
+}
+
+/// A [`FlagError`] naming `flag`.
+pub fn invalid(flag: &'static str, message: impl Into<String>) -> FlagError {
+    FlagError {
+        flag,
+        message: message.into(),
+    }
+}
+
+/// An existing file given by a flag, or `None` when the flag is empty.
+pub fn pem_file(flag: &'static str, value: &str) -> Result<Option<PemFile>, FlagError> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    if !std::path::Path::new(value).is_file() {
+        return Err(invalid(flag, format!("{value}: no such file")));
+    }
+    Ok(Some(PemFile::new(flag, value)))
+}
+
+/// A certificate/key flag pair: both or neither, as upstream validates.
+pub fn identity_pair(
+    (cert_flag, cert): (&'static str, &str),
+    (key_flag, key): (&'static str, &str),
+) -> Result<Option<Identity>, FlagError> {
+    match (pem_file(cert_flag, cert)?, pem_file(key_flag, key)?) {
+        (Some(cert), Some(key)) => Ok(Some(Identity { cert, key })),
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(invalid(key_flag, format!("must be set when --{cert_flag} is"))),
+        (None, Some(_)) => Err(invalid(cert_flag, format!("must be set when --{key_flag} is"))),
+    }
+}
+
 /// Parses a Go duration: a sequence of decimal numbers with units
 /// (`ns`, `us`, `µs`, `ms`, `s`, `m`, `h`), e.g. `300ms`, `1.5s`, `1h0m0s`, or a bare `0`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {

@@ -12,6 +12,18 @@ use prometheus_client::registry::Registry;
 /// which reads the OpenMetrics `# EOF` line as a comment).
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// The `/metrics` reply: the registry's text, with `alive_tasks` first set
+/// to the number of tasks alive in the current runtime (a leak shows there).
+pub fn reply(registry: &Registry, alive_tasks: &Gauge) -> crate::http::Reply {
+    let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    alive_tasks.set(tasks as i64);
+    crate::http::Reply {
+        status: http::StatusCode::OK,
+        content_type: CONTENT_TYPE,
+        body: encode(registry),
+    }
+}
+
 pub fn encode(registry: &Registry) -> String {
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, registry).expect("writing to a String cannot fail");

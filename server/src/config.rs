@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgAction, Parser, ValueEnum};
+use konnectivity_plumbing::flags::{FlagError, identity_pair, invalid, pem_file};
 use konnectivity_plumbing::flags::{
     GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
 };
@@ -225,46 +226,8 @@ pub enum TlsVersions {
     Tls13Only,
 }
 
-/// A flag with a bad value, or flags that conflict. Exits with status 2.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid flag --{flag}: {message}")]
-pub struct ConfigError {
-    pub flag: &'static str,
-    pub message: String,
-}
-
-fn invalid(flag: &'static str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        flag,
-        message: message.into(),
-    }
-}
-
-/// An existing file given by a flag, or none when the flag is empty.
-fn pem_file(flag: &'static str, value: &str) -> Result<Option<PemFile>, ConfigError> {
-    if value.is_empty() {
-        return Ok(None);
-    }
-    if !std::path::Path::new(value).is_file() {
-        return Err(invalid(flag, format!("{value}: no such file")));
-    }
-    Ok(Some(PemFile::new(flag, value)))
-}
-
-/// A certificate/key flag pair: both or neither.
-fn identity(
-    cert_flag: &'static str,
-    cert: &str,
-    key_flag: &'static str,
-    key: &str,
-) -> Result<Option<Identity>, ConfigError> {
-    match (pem_file(cert_flag, cert)?, pem_file(key_flag, key)?) {
-        (Some(cert), Some(key)) => Ok(Some(Identity { cert, key })),
-        (None, None) => Ok(None),
-        (Some(_), None) => Err(invalid(key_flag, format!("must be set when --{cert_flag} is"))),
-        (None, Some(_)) => Err(invalid(cert_flag, format!("must be set when --{key_flag} is"))),
-    }
-}
+/// Errors name the flag at fault; main exits with status 2 on them.
+pub type ConfigError = FlagError;
 
 fn bind_address(flag: &'static str, value: &str, port: u16) -> Result<SocketAddr, ConfigError> {
     let ip = if value.is_empty() {
@@ -279,7 +242,10 @@ fn bind_address(flag: &'static str, value: &str, port: u16) -> Result<SocketAddr
 
 impl Config {
     pub fn from_args(args: &Args) -> Result<Config, ConfigError> {
-        let server_identity = identity("server-cert", &args.server_cert, "server-key", &args.server_key)?;
+        let server_identity = identity_pair(
+            ("server-cert", &args.server_cert),
+            ("server-key", &args.server_key),
+        )?;
         let server_ca = pem_file("server-ca-cert", &args.server_ca_cert)?;
         let frontend = if args.uds_name.is_empty() {
             if args.server_port == 0 {
@@ -320,11 +286,9 @@ impl Config {
         if args.health_port == 0 {
             return Err(invalid("health-port", "must not be 0"));
         }
-        let agent_identity = identity(
-            "cluster-cert",
-            &args.cluster_cert,
-            "cluster-key",
-            &args.cluster_key,
+        let agent_identity = identity_pair(
+            ("cluster-cert", &args.cluster_cert),
+            ("cluster-key", &args.cluster_key),
         )?
         .or(server_identity)
         .ok_or_else(|| {

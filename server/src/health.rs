@@ -26,15 +26,7 @@ impl Endpoints for ServerEndpoints {
                 ),
                 n => Reply::text(StatusCode::OK, format!("ok: {n} agent stream(s) connected\n")),
             },
-            "/metrics" => {
-                let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
-                self.metrics.alive_tasks.set(tasks as i64);
-                Reply {
-                    status: StatusCode::OK,
-                    content_type: metrics::CONTENT_TYPE,
-                    body: metrics::encode(&self.metrics.registry),
-                }
-            }
+            "/metrics" => metrics::reply(&self.metrics.registry, &self.metrics.alive_tasks),
             _ => Reply::not_found(),
         }
     }

@@ -61,6 +61,17 @@ async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, S
     })
 }
 
+/// TLS connections from `listener`, handshaken concurrently, as the
+/// incoming stream a tonic server takes.
+fn tls_incoming(
+    listener: TcpListener,
+    tls: rustls::ServerConfig,
+    what: &'static str,
+) -> impl futures_util::Stream<Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>>
+{
+    ReceiverStream::new(tls::accept_tls(listener, TlsAcceptor::from(Arc::new(tls)), what)).map(Ok)
+}
+
 /// The gRPC frontend's server: ProxyService only, with windows sized for
 /// bulk transfers on a single stream.
 fn grpc_frontend(dialer: Dialer) -> tonic::transport::server::Router {
@@ -90,7 +101,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         &[b"h2"],
         tls13_only,
     )?;
-    let agent_streams = tls::accept_tls(agent_listener, TlsAcceptor::from(Arc::new(agent_tls)), "agent");
+    let agent_streams = tls_incoming(agent_listener, agent_tls, "agent");
     let agent_service = AgentServer::new(
         registry.clone(),
         metrics.clone(),
@@ -104,7 +115,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         .initial_stream_window_size(Some(8 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
         .add_service(AgentServiceServer::new(agent_service))
-        .serve_with_incoming(ReceiverStream::new(agent_streams).map(Ok::<_, std::io::Error>));
+        .serve_with_incoming(agent_streams);
 
     let dialer = Dialer {
         registry,
@@ -123,8 +134,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 &[b"h2"],
                 tls13_only,
             )?;
-            let streams = tls::accept_tls(listener, TlsAcceptor::from(Arc::new(tls)), "node frontend");
-            let incoming = ReceiverStream::new(streams).map(Ok::<_, std::io::Error>);
+            let incoming = tls_incoming(listener, tls, "node frontend");
             let node_dialer = Dialer {
                 class: FrontendClass::Node,
                 node_allowed: Arc::new(node.allowed.clone()),
@@ -191,8 +201,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         ) => {
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
             let tls = tls::server_config(identity, Some(client_ca), &[b"h2"], tls13_only)?;
-            let streams = tls::accept_tls(listener, TlsAcceptor::from(Arc::new(tls)), "frontend");
-            let incoming = ReceiverStream::new(streams).map(Ok::<_, std::io::Error>);
+            let incoming = tls_incoming(listener, tls, "frontend");
             tokio::spawn(grpc_frontend(dialer).serve_with_incoming(incoming))
         }
     };
