@@ -11,6 +11,7 @@ use konnectivity_plumbing::flags::{
 };
 use konnectivity_plumbing::klog::KlogArgs;
 
+use crate::capture::CniSettings;
 use crate::capture::map::{Capture, CaptureMap};
 use konnectivity_plumbing::tls::{Identity, PemFile};
 use konnectivity_proto::AgentIdentifiers;
@@ -136,9 +137,56 @@ pub struct Args {
     /// Key of --node-client-cert.
     #[arg(long, default_value = "", help_heading = "Node capture (konnectivity-rs)")]
     pub node_client_key: String,
+    /// Unix socket the konnectivity-cni plugin talks to; empty turns pod capture off.
+    #[arg(long, default_value = "", help_heading = "Pod capture (konnectivity-rs)")]
+    pub cni_socket: String,
+    /// Where the agent records captured pods, to re-open them after a restart.
+    #[arg(
+        long,
+        default_value = "/var/lib/konnectivity/pods",
+        help_heading = "Pod capture (konnectivity-rs)"
+    )]
+    pub state_dir: String,
 
     #[command(flatten)]
     pub klog: KlogArgs,
+
+    #[command(subcommand)]
+    pub command: Option<AgentCommand>,
+}
+
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum AgentCommand {
+    /// Install the konnectivity-cni plugin on this node and chain it into the
+    /// primary CNI configuration (idempotent), then exit, or keep re-checking.
+    InstallCni(InstallCniArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct InstallCniArgs {
+    /// Where CNI plugin binaries live.
+    #[arg(long, default_value = "/opt/cni/bin")]
+    pub cni_bin_dir: std::path::PathBuf,
+    /// Where the runtime reads network configurations.
+    #[arg(long, default_value = "/etc/cni/net.d")]
+    pub cni_conf_dir: std::path::PathBuf,
+    /// The plugin binary to install (default: konnectivity-cni next to this binary).
+    #[arg(long)]
+    pub plugin_binary: Option<std::path::PathBuf>,
+    /// The agent's --cni-socket, written into the plugin's configuration.
+    #[arg(long, default_value = konnectivity_cni::config::DEFAULT_AGENT_SOCKET)]
+    pub agent_socket: String,
+    /// Namespaces whose pods are not captured, comma-separated.
+    #[arg(long, value_parser = parse_list, default_value = "")]
+    pub exclude_namespaces: GoList,
+    /// Remove the plugin and its configuration entry instead.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
+    pub uninstall: bool,
+    /// Re-check this often and put the entry back if the primary CNI rewrote
+    /// its file (0 = install once and exit).
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    pub watch: Duration,
 }
 
 fn parse_mark(text: &str) -> Result<u32, String> {
@@ -177,6 +225,7 @@ pub struct NodeConfig {
     pub mark: u32,
     pub node_frontend_port: u16,
     pub identity: Identity,
+    pub cni: Option<CniSettings>,
 }
 
 /// Errors name the flag at fault; main exits with status 2 on them.
@@ -283,6 +332,12 @@ impl Config {
 
 fn node_config(args: &Args) -> Result<Option<NodeConfig>, ConfigError> {
     if args.captures.is_empty() {
+        if !args.cni_socket.is_empty() {
+            return Err(invalid(
+                "cni-socket",
+                "needs at least one --capture: pods are captured like the host",
+            ));
+        }
         return Ok(None);
     }
     let captures = CaptureMap::new(args.captures.clone()).map_err(|message| invalid("capture", message))?;
@@ -302,7 +357,15 @@ fn node_config(args: &Args) -> Result<Option<NodeConfig>, ConfigError> {
             "--node-client-cert and --node-client-key must be set with --capture",
         )
     })?;
+    let cni = (!args.cni_socket.is_empty()).then(|| CniSettings {
+        socket: args.cni_socket.clone().into(),
+        state_dir: args.state_dir.clone().into(),
+    });
+    if args.state_dir.is_empty() {
+        return Err(invalid("state-dir", "must not be empty"));
+    }
     Ok(Some(NodeConfig {
+        cni,
         captures,
         capture_port: args.capture_port,
         mark: args.capture_mark,

@@ -5,12 +5,14 @@
 //! opened for the server), [`health`] and [`metrics`].
 
 pub mod capture;
+pub mod cni;
 pub mod config;
 pub mod endpoint;
 pub mod health;
 pub mod metrics;
 pub mod server_conn;
 pub mod session;
+pub mod sys;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -125,6 +127,7 @@ pub async fn run(
         tls: Arc::new(node_tls),
         sync_interval: config.sync_interval,
         sync_interval_cap: config.sync_interval_cap,
+        cni: node.cni.clone(),
     };
     tokio::select! {
         result = capture::run(node_settings, metrics, readiness) => result.map_err(AgentError::from),

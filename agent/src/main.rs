@@ -2,10 +2,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::Parser;
-use konnectivity_agent::config::{Args, Config};
+use konnectivity_agent::config::{AgentCommand, Args, Config};
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Some(AgentCommand::InstallCni(install)) = &args.command {
+        args.klog.init_logging()?;
+        if let Err(error) = konnectivity_agent::cni::install::run(install) {
+            eprintln!("proxy-agent install-cni: {error}");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     let config = match Config::from_args(&args) {
         Ok(config) => config,
         Err(error) => {

@@ -9,8 +9,10 @@ use serde_json::value::RawValue;
 use crate::error::{CniError, code};
 use crate::message::Attachment;
 
-/// Spec versions this plugin speaks.
-pub const SUPPORTED_VERSIONS: [&str; 3] = ["0.4.0", "1.0.0", "1.1.0"];
+/// Spec versions this plugin speaks. 0.3.x is accepted too because widely
+/// deployed conflists (flannel's) still declare 0.3.1; the plugin only passes
+/// the previous result through, whose format it does not need to interpret.
+pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 pub const DEFAULT_AGENT_SOCKET: &str = "/var/run/konnectivity/cni.sock";
 
 #[derive(Debug, Deserialize)]

@@ -8,7 +8,8 @@ fn main() {
     let outcome = konnectivity_cni::plugin::run(
         |name| vars.get(name).map(String::as_str),
         &stdin,
-        std::path::Path::new("/proc/1/ns/net"),
+        // The runtime runs plugins in the host's network namespace.
+        std::path::Path::new("/proc/self/ns/net"),
     );
     let mut stdout = std::io::stdout();
     let _ = stdout.write_all(outcome.stdout.as_bytes());

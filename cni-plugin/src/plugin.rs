@@ -33,7 +33,7 @@ impl Outcome {
 }
 
 /// Runs one CNI call. `vars` reads the environment; `host_netns` is the
-/// host's network namespace (`/proc/1/ns/net`), which is never touched.
+/// host's network namespace (the plugin's own), which is never touched.
 pub fn run<'a>(vars: impl Fn(&str) -> Option<&'a str>, stdin: &[u8], host_netns: &Path) -> Outcome {
     let (command, env) = match env::parse(vars) {
         Ok(parsed) => parsed,

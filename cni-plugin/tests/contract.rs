@@ -139,7 +139,7 @@ fn version_lists_the_supported_versions() {
     let json: serde_json::Value = serde_json::from_str(&outcome.stdout).unwrap();
     assert_eq!(
         json["supportedVersions"],
-        serde_json::json!(["0.4.0", "1.0.0", "1.1.0"])
+        serde_json::json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"])
     );
 }
 
@@ -179,7 +179,7 @@ fn bad_configuration_gets_the_spec_codes() {
             6,
             vec!["name"],
         ),
-        (config(&socket, "0.3.1", true, ""), 1, vec!["0.3.1", "1.1.0"]),
+        (config(&socket, "0.2.0", true, ""), 1, vec!["0.2.0", "1.1.0"]),
         (config(&socket, "1.0.0", false, ""), 7, vec!["prevResult"]),
         (
             config(&socket, "1.0.0", true, "")
@@ -201,7 +201,7 @@ fn bad_configuration_gets_the_spec_codes() {
 fn add_tells_the_agent_and_returns_prev_result_byte_for_byte() {
     let (scratch, netns, host) = fixture();
     let agent = FakeAgent::start(&scratch.0, Reply::ok());
-    for version in ["0.4.0", "1.0.0", "1.1.0"] {
+    for version in ["0.3.1", "0.4.0", "1.0.0", "1.1.0"] {
         let call = Call {
             env: pod_env("ADD", &netns),
             stdin: config(&agent.socket, version, true, ""),

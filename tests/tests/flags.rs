@@ -136,6 +136,10 @@ fn invalid_agent_flags_exit_2_naming_the_flag() {
         (&["--server-count-source=lease"], "--server-count-source"),
         (&["--sync-forever=perhaps"], "--sync-forever"),
         (&["--probe-interval=0s"], "--probe-interval"),
+        (&["--cni-socket=/tmp/cni.sock"], "--cni-socket"),
+        (&["--capture=10.96.0.1:443"], "--capture"),
+        (&["--capture=10.96.0.1:443=10.0.0.1:6443"], "--node-frontend-port"),
+        (&["--capture-mark=0"], "--capture-mark"),
     ];
     for (args, flag) in cases {
         let (code, stderr) = run("proxy-agent", args);

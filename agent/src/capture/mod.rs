@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use self::listener::CaptureContext;
 use self::map::CaptureMap;
 use crate::Backoff;
+use crate::cni::pods::{PodSettings, Pods};
 use crate::metrics::AgentMetrics;
 
 /// Everything the node role needs from the agent's configuration.
@@ -33,6 +34,14 @@ pub struct NodeSettings {
     pub tls: Arc<rustls::ClientConfig>,
     pub sync_interval: Duration,
     pub sync_interval_cap: Duration,
+    /// Pod capture: the CNI socket and the state directory.
+    pub cni: Option<CniSettings>,
+}
+
+#[derive(Clone, Debug)]
+pub struct CniSettings {
+    pub socket: std::path::PathBuf,
+    pub state_dir: std::path::PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +53,10 @@ pub enum CaptureError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("cannot listen on the CNI socket {path} (--cni-socket): {source}")]
+    CniSocket { path: String, source: std::io::Error },
+    #[error(transparent)]
+    Pods(#[from] crate::cni::pods::PodError),
 }
 
 /// Readiness of the node role: rules installed and the tunnel connected.
@@ -103,6 +116,26 @@ pub async fn run(
     let mut tasks = tokio::task::JoinSet::new();
     for listener in listeners {
         tasks.spawn(listener::serve(listener, context.clone()));
+    }
+    if let Some(cni) = &settings.cni {
+        let pods = Arc::new(Pods::new(
+            PodSettings {
+                ruleset: nft::render(&settings.captures, settings.capture_port, settings.mark),
+                capture_port: settings.capture_port,
+                ipv6: settings.captures.entries().iter().any(|c| c.vip.is_ipv6()),
+                state_dir: cni.state_dir.clone(),
+                // The agent runs in the host's network namespace (hostNetwork).
+                host_netns: "/proc/self/ns/net".into(),
+            },
+            context.clone(),
+        )?);
+        pods.restore().await;
+        let socket = crate::cni::server::bind(&cni.socket).map_err(|source| CaptureError::CniSocket {
+            path: cni.socket.display().to_string(),
+            source,
+        })?;
+        tracing::info!(socket = %cni.socket.display(), "CNI socket open");
+        tasks.spawn(crate::cni::server::serve(socket, pods, readiness.clone()));
     }
     tasks.spawn(keep_tunnel(settings, tunnel_tx, readiness));
     while tasks.join_next().await.is_some() {}

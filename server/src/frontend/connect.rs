@@ -207,7 +207,10 @@ async fn pump<S: FrontendStream>(stream: S, connection: TunnelConn, early_data: 
         loop {
             match receiver.recv().await {
                 Ok(data) => {
-                    if writer.write_all(&data).await.is_err() {
+                    // Flush every chunk: over TLS, write_all can return with the
+                    // last records still in rustls' buffer, and with no further
+                    // write they would never reach the client.
+                    if writer.write_all(&data).await.is_err() || writer.flush().await.is_err() {
                         return RemoteEnd::Closed;
                     }
                 }

@@ -7,6 +7,7 @@
 pub mod certs;
 pub mod cluster;
 pub mod connect;
+pub mod kas;
 pub mod netns;
 pub mod procs;
 pub mod scrape;

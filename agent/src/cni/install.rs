@@ -1,0 +1,347 @@
+//! Installing the plugin on a node: the binary into the CNI bin directory
+//! and our entry into the network configuration the runtime uses, both
+//! written atomically (temporary file + rename) and idempotently.
+//!
+//! Kubelet and containerd use the lexically first configuration file in the
+//! directory, so that is the one we extend; a lone `.conf` is wrapped into a
+//! `.conflist`. A primary CNI that rewrites its file drops our entry; running
+//! the install again (or `--watch`) puts it back.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+
+/// Our plugin's `type` in configuration files.
+pub const PLUGIN_TYPE: &str = "konnectivity-cni";
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("no CNI network configuration (.conflist, .conf, .json) in {0} yet")]
+    NoConfig(String),
+    #[error("{path} is not a valid CNI configuration: {reason}")]
+    BadConfig { path: String, reason: String },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> InstallError + '_ {
+    move |source| InstallError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// What an install run did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The file already had our entry as configured.
+    Unchanged(PathBuf),
+    /// The file was written (entry added or updated, or a .conf wrapped).
+    Written(PathBuf),
+}
+
+/// Our entry in a conflist.
+pub fn entry(agent_socket: &str, exclude_namespaces: &[String]) -> Value {
+    json!({
+        "type": PLUGIN_TYPE,
+        "agentSocket": agent_socket,
+        "excludeNamespaces": exclude_namespaces,
+    })
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), InstallError> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let temporary = path.with_file_name(format!(".{name}.konnectivity-tmp"));
+    std::fs::write(&temporary, bytes).map_err(io_error(&temporary))?;
+    std::fs::rename(&temporary, path).map_err(io_error(path))
+}
+
+/// Copies the plugin binary into `bin_dir` as `konnectivity-cni`, atomically.
+pub fn install_binary(plugin: &Path, bin_dir: &Path) -> Result<PathBuf, InstallError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(bin_dir).map_err(io_error(bin_dir))?;
+    let target = bin_dir.join(PLUGIN_TYPE);
+    let temporary = bin_dir.join(format!(".{PLUGIN_TYPE}.tmp"));
+    std::fs::copy(plugin, &temporary).map_err(io_error(plugin))?;
+    std::fs::set_permissions(&temporary, std::fs::Permissions::from_mode(0o755))
+        .map_err(io_error(&temporary))?;
+    std::fs::rename(&temporary, &target).map_err(io_error(&target))?;
+    Ok(target)
+}
+
+/// The configuration file the runtime uses: the lexically first one.
+fn primary_config(conf_dir: &Path) -> Result<PathBuf, InstallError> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(conf_dir)
+        .map_err(io_error(conf_dir))?
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| {
+            let hidden = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with('.'));
+            let ext = path.extension().and_then(|e| e.to_str());
+            !hidden && matches!(ext, Some("conflist" | "conf" | "json"))
+        })
+        .collect();
+    files.sort();
+    files
+        .into_iter()
+        .next()
+        .ok_or_else(|| InstallError::NoConfig(conf_dir.display().to_string()))
+}
+
+/// Adds (or updates) our entry at the end of the primary configuration's
+/// plugin chain, leaving everything else as it was.
+pub fn install_config(conf_dir: &Path, ours: &Value) -> Result<Outcome, InstallError> {
+    let path = primary_config(conf_dir)?;
+    let text = std::fs::read(&path).map_err(io_error(&path))?;
+    let bad = |reason: &str| InstallError::BadConfig {
+        path: path.display().to_string(),
+        reason: reason.to_owned(),
+    };
+    let mut config: Value = serde_json::from_slice(&text).map_err(|e| bad(&e.to_string()))?;
+    let is_list = config.get("plugins").is_some();
+    if !is_list {
+        // A lone plugin: wrap it into a conflist so we can chain after it.
+        let Value::Object(mut single) = config else {
+            return Err(bad("not a JSON object"));
+        };
+        let version = single.remove("cniVersion").unwrap_or(json!("1.0.0"));
+        let name = single.remove("name").ok_or_else(|| bad("no \"name\""))?;
+        config = json!({ "cniVersion": version, "name": name, "plugins": [Value::Object(single)] });
+    }
+    let plugins = config
+        .get_mut("plugins")
+        .and_then(Value::as_array_mut)
+        .ok_or_else(|| bad("\"plugins\" is not a list"))?;
+    let present = plugins.iter().position(|p| p["type"] == PLUGIN_TYPE);
+    if is_list && present.is_some_and(|i| i == plugins.len() - 1 && plugins[i] == *ours) {
+        return Ok(Outcome::Unchanged(path));
+    }
+    if let Some(i) = present {
+        plugins.remove(i);
+    }
+    plugins.push(ours.clone());
+    let mut bytes = serde_json::to_vec_pretty(&config).expect("JSON values serialize");
+    bytes.push(b'\n');
+    if is_list {
+        write_atomically(&path, &bytes)?;
+        Ok(Outcome::Written(path))
+    } else {
+        let list = path.with_extension("conflist");
+        write_atomically(&list, &bytes)?;
+        std::fs::remove_file(&path).map_err(io_error(&path))?;
+        Ok(Outcome::Written(list))
+    }
+}
+
+/// Removes our entry from the primary configuration and our binary.
+pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Result<(), InstallError> {
+    if let Ok(path) = primary_config(conf_dir) {
+        let text = std::fs::read(&path).map_err(io_error(&path))?;
+        if let Ok(mut config) = serde_json::from_slice::<Value>(&text)
+            && let Some(plugins) = config.get_mut("plugins").and_then(Value::as_array_mut)
+            && plugins.iter().any(|p| p["type"] == PLUGIN_TYPE)
+        {
+            plugins.retain(|p| p["type"] != PLUGIN_TYPE);
+            let mut bytes = serde_json::to_vec_pretty(&config).expect("JSON values serialize");
+            bytes.push(b'\n');
+            write_atomically(&path, &bytes)?;
+        }
+    }
+    match std::fs::remove_file(bin_dir.join(PLUGIN_TYPE)) {
+        Err(error) if error.kind() != std::io::ErrorKind::NotFound => Err(io_error(bin_dir)(error)),
+        _ => Ok(()),
+    }
+}
+
+/// `proxy-agent install-cni`: install (or uninstall) once, or keep the
+/// installation in place when `watch` is non-zero.
+pub fn run(args: &crate::config::InstallCniArgs) -> Result<(), InstallError> {
+    if args.uninstall {
+        uninstall(&args.cni_conf_dir, &args.cni_bin_dir)?;
+        tracing::info!(conf_dir = %args.cni_conf_dir.display(), "konnectivity-cni uninstalled");
+        return Ok(());
+    }
+    let plugin = match &args.plugin_binary {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()
+            .map_err(io_error(Path::new("/proc/self/exe")))?
+            .with_file_name(PLUGIN_TYPE),
+    };
+    let target = install_binary(&plugin, &args.cni_bin_dir)?;
+    tracing::info!(binary = %target.display(), "konnectivity-cni installed");
+    let ours = entry(&args.agent_socket, &args.exclude_namespaces.0);
+    loop {
+        match install_config(&args.cni_conf_dir, &ours) {
+            Ok(Outcome::Written(path)) => {
+                tracing::info!(config = %path.display(), "chained konnectivity-cni")
+            }
+            Ok(Outcome::Unchanged(_)) => {}
+            // While the primary CNI has not written its file yet, keep waiting.
+            Err(InstallError::NoConfig(dir)) if !args.watch.is_zero() => {
+                tracing::info!(%dir, "waiting for the primary CNI configuration")
+            }
+            Err(error) => return Err(error),
+        }
+        if args.watch.is_zero() {
+            return Ok(());
+        }
+        std::thread::sleep(args.watch);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(tag: &str) -> Dir {
+            let path = std::env::temp_dir().join(format!("konn-install-{tag}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&path);
+            std::fs::create_dir_all(&path).unwrap();
+            Dir(path)
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A conflist as flannel ships it.
+    const FLANNEL: &str = r#"{
+  "name": "cbr0",
+  "cniVersion": "0.3.1",
+  "plugins": [
+    { "type": "flannel", "delegate": { "hairpinMode": true, "isDefaultGateway": true } },
+    { "type": "portmap", "capabilities": { "portMappings": true } }
+  ]
+}"#;
+
+    fn ours() -> Value {
+        entry("/var/run/konnectivity/cni.sock", &["kube-system".to_owned()])
+    }
+
+    #[test]
+    fn appends_our_entry_once_and_leaves_the_rest_alone() {
+        let dir = Dir::new("append");
+        std::fs::write(dir.0.join("10-flannel.conflist"), FLANNEL).unwrap();
+        std::fs::write(dir.0.join("99-other.conflist"), FLANNEL).unwrap();
+        let path = dir.0.join("10-flannel.conflist");
+        assert_eq!(
+            install_config(&dir.0, &ours()).unwrap(),
+            Outcome::Written(path.clone())
+        );
+
+        let before: Value = serde_json::from_str(FLANNEL).unwrap();
+        let after: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let plugins = after["plugins"].as_array().unwrap();
+        assert_eq!(plugins.len(), 3);
+        assert_eq!(plugins[..2], before["plugins"].as_array().unwrap()[..]);
+        assert_eq!(plugins[2], ours());
+        for key in ["name", "cniVersion"] {
+            assert_eq!(after[key], before[key]);
+        }
+        // Keys keep their order: the file still reads like the original.
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.find("\"name\"").unwrap() < text.find("\"cniVersion\"").unwrap());
+        // The other file is untouched.
+        assert_eq!(
+            std::fs::read_to_string(dir.0.join("99-other.conflist")).unwrap(),
+            FLANNEL
+        );
+
+        let written = std::fs::read(&path).unwrap();
+        assert_eq!(
+            install_config(&dir.0, &ours()).unwrap(),
+            Outcome::Unchanged(path.clone())
+        );
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            written,
+            "a second run must change nothing"
+        );
+    }
+
+    #[test]
+    fn puts_the_entry_back_when_the_primary_cni_rewrites_its_file() {
+        let dir = Dir::new("rewrite");
+        let path = dir.0.join("10-flannel.conflist");
+        std::fs::write(&path, FLANNEL).unwrap();
+        install_config(&dir.0, &ours()).unwrap();
+        std::fs::write(&path, FLANNEL).unwrap();
+        assert_eq!(
+            install_config(&dir.0, &ours()).unwrap(),
+            Outcome::Written(path.clone())
+        );
+        let after: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(after["plugins"].as_array().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn wraps_a_lone_conf_into_a_conflist() {
+        let dir = Dir::new("wrap");
+        std::fs::write(
+            dir.0.join("10-bridge.conf"),
+            r#"{"cniVersion":"1.0.0","name":"podnet","type":"bridge","bridge":"cni0","ipam":{"type":"host-local"}}"#,
+        )
+        .unwrap();
+        let list = dir.0.join("10-bridge.conflist");
+        assert_eq!(
+            install_config(&dir.0, &ours()).unwrap(),
+            Outcome::Written(list.clone())
+        );
+        assert!(!dir.0.join("10-bridge.conf").exists());
+        let after: Value = serde_json::from_slice(&std::fs::read(&list).unwrap()).unwrap();
+        assert_eq!(after["name"], "podnet");
+        assert_eq!(after["plugins"][0]["type"], "bridge");
+        assert_eq!(after["plugins"][1], ours());
+        assert_eq!(install_config(&dir.0, &ours()).unwrap(), Outcome::Unchanged(list));
+    }
+
+    #[test]
+    fn empty_directories_and_broken_files_are_clear_errors() {
+        let dir = Dir::new("errors");
+        assert!(matches!(
+            install_config(&dir.0, &ours()),
+            Err(InstallError::NoConfig(_))
+        ));
+        std::fs::write(dir.0.join("10-x.conflist"), "{broken").unwrap();
+        let error = install_config(&dir.0, &ours()).unwrap_err();
+        assert!(error.to_string().contains("10-x.conflist"), "{error}");
+    }
+
+    #[test]
+    fn binary_install_is_atomic_and_executable_and_uninstall_removes_everything() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = Dir::new("binary");
+        let plugin = dir.0.join("build-output");
+        std::fs::write(&plugin, b"#!/bin/true\n").unwrap();
+        let bin_dir = dir.0.join("bin");
+        let target = install_binary(&plugin, &bin_dir).unwrap();
+        assert_eq!(
+            std::fs::metadata(&target).unwrap().permissions().mode() & 0o777,
+            0o755
+        );
+        assert_eq!(
+            std::fs::read_dir(&bin_dir).unwrap().count(),
+            1,
+            "no temporary file left"
+        );
+
+        let conf_dir = dir.0.join("net.d");
+        std::fs::create_dir_all(&conf_dir).unwrap();
+        std::fs::write(conf_dir.join("10-flannel.conflist"), FLANNEL).unwrap();
+        install_config(&conf_dir, &ours()).unwrap();
+        uninstall(&conf_dir, &bin_dir).unwrap();
+        assert!(!target.exists());
+        let after: Value =
+            serde_json::from_slice(&std::fs::read(conf_dir.join("10-flannel.conflist")).unwrap()).unwrap();
+        assert_eq!(after, serde_json::from_str::<Value>(FLANNEL).unwrap());
+    }
+}

@@ -1,0 +1,311 @@
+//! The captured pods: one capture listener inside each pod's network
+//! namespace, and a state file per pod so a restarted agent re-opens them.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use konnectivity_cni::message::{Attachment, Pod};
+use serde::{Deserialize, Serialize};
+use tokio::task::AbortHandle;
+
+use crate::capture::listener::{self, CaptureContext};
+use crate::capture::nft;
+use crate::sys::in_netns;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PodError {
+    #[error("netns {0:?} is not a pod network namespace (expected /var/run/netns/NAME or /proc/PID/ns/net)")]
+    NetnsPath(String),
+    #[error("netns {0:?} is the host's own network namespace; it is never touched")]
+    HostNetns(String),
+    #[error("container id {0:?} has characters other than letters, digits, '-', '_' and '.'")]
+    ContainerId(String),
+    #[error("setting up capture in {netns}: {source}")]
+    Setup { netns: String, source: std::io::Error },
+    #[error("state directory {dir}: {source}")]
+    State { dir: String, source: std::io::Error },
+}
+
+/// What is persisted per pod.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct PodState {
+    #[serde(rename = "containerId")]
+    container_id: String,
+    netns: String,
+    ifname: String,
+}
+
+struct CapturedPod {
+    state: PodState,
+    listeners: Vec<AbortHandle>,
+}
+
+impl Drop for CapturedPod {
+    fn drop(&mut self) {
+        for listener in &self.listeners {
+            listener.abort();
+        }
+    }
+}
+
+/// Settings for pod capture.
+#[derive(Clone)]
+pub struct PodSettings {
+    pub ruleset: String,
+    pub capture_port: u16,
+    pub ipv6: bool,
+    pub state_dir: PathBuf,
+    pub host_netns: PathBuf,
+}
+
+pub struct Pods {
+    settings: PodSettings,
+    context: Arc<CaptureContext>,
+    pods: Mutex<HashMap<String, CapturedPod>>,
+}
+
+fn validate(pod_netns: &str, container_id: &str, host_netns: &Path) -> Result<(), PodError> {
+    let is_proc = pod_netns
+        .strip_prefix("/proc/")
+        .and_then(|rest| rest.strip_suffix("/ns/net"))
+        .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()));
+    let is_named = ["/var/run/netns/", "/run/netns/"].iter().any(|prefix| {
+        pod_netns
+            .strip_prefix(prefix)
+            .is_some_and(|n| !n.is_empty() && !n.contains('/'))
+    });
+    if !(is_proc || is_named) {
+        return Err(PodError::NetnsPath(pod_netns.to_owned()));
+    }
+    let same = match (std::fs::metadata(pod_netns), std::fs::metadata(host_netns)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    };
+    if same {
+        return Err(PodError::HostNetns(pod_netns.to_owned()));
+    }
+    let id_ok = !container_id.is_empty()
+        && container_id.len() <= 256
+        && container_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if !id_ok {
+        return Err(PodError::ContainerId(container_id.to_owned()));
+    }
+    Ok(())
+}
+
+impl Pods {
+    pub fn new(settings: PodSettings, context: Arc<CaptureContext>) -> Result<Pods, PodError> {
+        std::fs::create_dir_all(&settings.state_dir).map_err(|source| PodError::State {
+            dir: settings.state_dir.display().to_string(),
+            source,
+        })?;
+        Ok(Pods {
+            settings,
+            context,
+            pods: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn state_file(&self, container_id: &str) -> PathBuf {
+        self.settings.state_dir.join(format!("{container_id}.json"))
+    }
+
+    /// Captures a pod: rules and listener inside its namespace, then the
+    /// state file. Answered only when both are in place.
+    pub async fn add(&self, pod: &Pod) -> Result<(), PodError> {
+        validate(&pod.netns, &pod.container_id, &self.settings.host_netns)?;
+        let state = PodState {
+            container_id: pod.container_id.clone(),
+            netns: pod.netns.clone(),
+            ifname: pod.ifname.clone(),
+        };
+        self.open(state.clone()).await?;
+        let text = serde_json::to_vec(&state).expect("state serializes");
+        let path = self.state_file(&state.container_id);
+        let temporary = path.with_extension("tmp");
+        std::fs::write(&temporary, text)
+            .and_then(|()| std::fs::rename(&temporary, &path))
+            .map_err(|source| PodError::State {
+                dir: self.settings.state_dir.display().to_string(),
+                source,
+            })?;
+        tracing::info!(container_id = %pod.container_id, netns = %pod.netns, namespace = %pod.pod_namespace, name = %pod.pod_name, "pod captured");
+        Ok(())
+    }
+
+    /// Enters the namespace, applies the rules, binds the listeners there,
+    /// and serves them from this runtime.
+    async fn open(&self, state: PodState) -> Result<(), PodError> {
+        let ruleset = self.settings.ruleset.clone();
+        let port = self.settings.capture_port;
+        let ipv6 = self.settings.ipv6;
+        let setup_error = |source| PodError::Setup {
+            netns: state.netns.clone(),
+            source,
+        };
+        let netns = PathBuf::from(&state.netns);
+        let listeners = tokio::task::spawn_blocking(move || {
+            in_netns(&netns, move || {
+                // The loopback device carries the redirected connections.
+                let up = std::process::Command::new("ip")
+                    .args(["link", "set", "lo", "up"])
+                    .status()?;
+                if !up.success() {
+                    return Err(std::io::Error::other("ip link set lo up failed"));
+                }
+                nft::apply(&ruleset).map_err(std::io::Error::other)?;
+                let mut listeners = vec![std::net::TcpListener::bind(("127.0.0.1", port))?];
+                if ipv6 {
+                    listeners.push(std::net::TcpListener::bind(("::1", port))?);
+                }
+                for listener in &listeners {
+                    listener.set_nonblocking(true)?;
+                }
+                Ok(listeners)
+            })
+        })
+        .await
+        .expect("netns task does not panic")
+        .map_err(setup_error)?;
+        let mut handles = Vec::new();
+        for listener in listeners {
+            let listener = tokio::net::TcpListener::from_std(listener).map_err(setup_error)?;
+            handles.push(tokio::spawn(listener::serve(listener, self.context.clone())).abort_handle());
+        }
+        let previous = self.pods.lock().expect("pods lock").insert(
+            state.container_id.clone(),
+            CapturedPod {
+                state,
+                listeners: handles,
+            },
+        );
+        drop(previous);
+        Ok(())
+    }
+
+    /// Forgets a pod: listeners closed, state removed. Its rules die with
+    /// its namespace. Unknown pods are fine (DEL is repeated).
+    pub fn remove(&self, container_id: &str) {
+        let removed = self.pods.lock().expect("pods lock").remove(container_id);
+        if removed.is_some() {
+            tracing::info!(%container_id, "pod released");
+        }
+        let _ = std::fs::remove_file(self.state_file(container_id));
+    }
+
+    /// Whether a pod's listener runs and its rules are in its namespace.
+    pub async fn check(&self, container_id: &str) -> Result<(), String> {
+        let netns = {
+            let pods = self.pods.lock().expect("pods lock");
+            let pod = pods
+                .get(container_id)
+                .ok_or_else(|| format!("pod {container_id} is not captured by this agent"))?;
+            if pod.listeners.iter().any(AbortHandle::is_finished) {
+                return Err(format!(
+                    "the capture listener of pod {container_id} is not running"
+                ));
+            }
+            PathBuf::from(&pod.state.netns)
+        };
+        let listed = tokio::task::spawn_blocking(move || {
+            in_netns(&netns, || {
+                std::process::Command::new("nft")
+                    .args(["list", "table", nft::TABLE_FAMILY, nft::TABLE_NAME])
+                    .output()
+            })
+        })
+        .await
+        .expect("netns task does not panic")
+        .map_err(|e| format!("entering the pod's network namespace: {e}"))?;
+        if listed.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "the capture rules are missing in pod {container_id}'s namespace"
+            ))
+        }
+    }
+
+    /// Keeps only the listed attachments (CNI GC).
+    pub fn retain(&self, valid: &[Attachment]) {
+        let stale: Vec<String> = self
+            .pods
+            .lock()
+            .expect("pods lock")
+            .keys()
+            .filter(|id| !valid.iter().any(|a| &a.container_id == *id))
+            .cloned()
+            .collect();
+        for id in stale {
+            self.remove(&id);
+        }
+    }
+
+    /// Re-opens every pod recorded in the state directory whose namespace
+    /// still exists; drops the records of the others.
+    pub async fn restore(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.settings.state_dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|ext| ext != "json") {
+                continue;
+            }
+            let state: Option<PodState> = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            let Some(state) = state else {
+                tracing::warn!(file = %path.display(), "unreadable pod state; removing it");
+                let _ = std::fs::remove_file(&path);
+                continue;
+            };
+            if !Path::new(&state.netns).exists() {
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            let id = state.container_id.clone();
+            match self.open(state).await {
+                Ok(()) => tracing::info!(container_id = %id, "pod capture restored"),
+                Err(error) => tracing::warn!(container_id = %id, %error, "could not restore pod capture"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_pod_netns_paths_and_safe_ids_are_accepted() {
+        let host = Path::new("/proc/self/ns/net");
+        assert!(validate("/var/run/netns/cni-1234", "abc123", host).is_ok());
+        assert!(validate("/proc/4242/ns/net", "abc", host).is_ok());
+        for bad in [
+            "/etc/passwd",
+            "/var/run/netns/../x",
+            "/proc/self/ns/net",
+            "relative",
+            "/var/run/netns/",
+        ] {
+            assert!(
+                matches!(validate(bad, "abc", host), Err(PodError::NetnsPath(_))),
+                "{bad}"
+            );
+        }
+        let own = format!("/proc/{}/ns/net", std::process::id());
+        assert!(matches!(
+            validate(&own, "abc", Path::new("/proc/self/ns/net")),
+            Err(PodError::HostNetns(_))
+        ));
+        assert!(matches!(
+            validate("/var/run/netns/x", "../../etc", host),
+            Err(PodError::ContainerId(_))
+        ));
+    }
+}

@@ -1,0 +1,218 @@
+//! Pods reach the API server through the VIP, on Debian's real CNI plugins:
+//! a conflist of `bridge` (with `host-local` IPAM) chained with
+//! `konnectivity-cni`, run the way a container runtime runs it, attaches a
+//! "pod" network namespace to a bridge in the node namespace (root).
+
+mod support;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::kas::*;
+use support::netns::{Netns, root_or_skip};
+use support::procs::bin;
+
+/// A container runtime's view of one network: the conflist's plugins run in
+/// order for ADD and in reverse for DEL, each given the previous result.
+struct Runtime<'a> {
+    topology: &'a Topology,
+    plugins: Vec<Value>,
+}
+
+impl<'a> Runtime<'a> {
+    fn new(topology: &'a Topology) -> Runtime<'a> {
+        let dir = topology.dir.path();
+        Runtime {
+            topology,
+            plugins: vec![
+                json!({
+                    "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": "10.244.1.0/24"}]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                        "dataDir": dir.join("ipam").display().to_string(),
+                    },
+                }),
+                json!({
+                    "type": "konnectivity-cni",
+                    "agentSocket": dir.join("cni.sock").display().to_string(),
+                    "agentTimeoutMillis": 5000,
+                }),
+            ],
+        }
+    }
+
+    /// Runs one plugin inside the node namespace.
+    fn exec(
+        &self,
+        plugin: &Value,
+        command: &str,
+        container: &str,
+        pod: &Netns,
+        prev: Option<&Value>,
+    ) -> Output {
+        let kind = plugin["type"].as_str().unwrap();
+        let path = if kind == "konnectivity-cni" {
+            bin("konnectivity-cni")
+        } else {
+            Path::new("/usr/lib/cni").join(kind)
+        };
+        let mut conf = plugin.clone();
+        conf["cniVersion"] = json!("1.0.0");
+        conf["name"] = json!("podnet");
+        if let Some(prev) = prev {
+            conf["prevResult"] = prev.clone();
+        }
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.topology.node.name])
+            .arg(&path)
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", container)
+            .env("CNI_NETNS", format!("/var/run/netns/{}", pod.name))
+            .env("CNI_IFNAME", "eth0")
+            .env(
+                "CNI_ARGS",
+                format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={container}"),
+            )
+            .env("CNI_PATH", "/usr/lib/cni")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(conf.to_string().as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    }
+
+    /// ADD through the chain; the final result, or the failing plugin's output.
+    fn add(&self, container: &str, pod: &Netns) -> Result<Value, Output> {
+        let mut prev: Option<Value> = None;
+        for plugin in &self.plugins {
+            let output = self.exec(plugin, "ADD", container, pod, prev.as_ref());
+            if !output.status.success() {
+                return Err(output);
+            }
+            prev = Some(serde_json::from_slice(&output.stdout).expect("ADD prints a result"));
+        }
+        Ok(prev.unwrap())
+    }
+
+    fn del(&self, container: &str, pod: &Netns, result: &Value) -> bool {
+        self.plugins.iter().rev().all(|plugin| {
+            self.exec(plugin, "DEL", container, pod, Some(result))
+                .status
+                .success()
+        })
+    }
+
+    fn check_ours(&self, container: &str, pod: &Netns, result: &Value) -> Output {
+        self.exec(&self.plugins[1], "CHECK", container, pod, Some(result))
+    }
+}
+
+fn pod_agent_args(topology: &Topology) -> Vec<String> {
+    let dir = topology.dir.path();
+    vec![
+        format!("--cni-socket={}", dir.join("cni.sock").display()),
+        format!("--state-dir={}", dir.join("pods").display()),
+    ]
+}
+
+fn curl_from_pod(topology: &Topology, pod: &Netns) -> Output {
+    pod.sh(&format!(
+        "curl -sS --max-time 10 --cacert {} https://{VIP}/version",
+        topology.pki.ca.display()
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_reach_the_api_server_through_the_vip_with_the_chained_plugin() {
+    if !root_or_skip("pods_reach_the_api_server_through_the_vip_with_the_chained_plugin") {
+        return;
+    }
+    let topology = build(false).await;
+    let mut agent = topology.start_node_agent(&pod_agent_args(&topology));
+    topology.wait_node_ready().await;
+    let runtime = Runtime::new(&topology);
+
+    let pod = Netns::new("pod");
+    let result = runtime
+        .add("pod-1", &pod)
+        .unwrap_or_else(|o| panic!("ADD failed: {}", text(&o)));
+    assert_eq!(
+        result["ips"][0]["address"]
+            .as_str()
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap()
+            .split('.')
+            .take(3)
+            .collect::<Vec<_>>(),
+        ["10", "244", "1"]
+    );
+
+    let version = curl_from_pod(&topology, &pod);
+    assert!(version.status.success(), "{}", text(&version));
+    assert_eq!(String::from_utf8_lossy(&version.stdout), VERSION_BODY);
+
+    let check = runtime.check_ours("pod-1", &pod, &result);
+    assert!(check.status.success(), "CHECK: {}", text(&check));
+
+    assert!(runtime.del("pod-1", &pod, &result), "DEL failed");
+    let after = curl_from_pod(&topology, &pod);
+    assert!(
+        !after.status.success(),
+        "the pod's listener must be gone after DEL: {}",
+        text(&after)
+    );
+    assert!(runtime.del("pod-1", &pod, &result), "a second DEL must succeed");
+    let check = runtime.check_ours("pod-1", &pod, &result);
+    assert!(!check.status.success(), "CHECK after DEL must fail");
+
+    // With the agent stopped, ADD fails with "try again later": no pod runs uncaptured.
+    agent.kill();
+    let pod2 = Netns::new("pod");
+    let refused = runtime.add("pod-2", &pod2).expect_err("ADD without the agent");
+    let error: Value = serde_json::from_slice(&refused.stdout).unwrap();
+    assert_eq!(error["code"], 11, "{}", text(&refused));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_reopens_the_pod_listeners_it_recorded() {
+    if !root_or_skip("a_restarted_agent_reopens_the_pod_listeners_it_recorded") {
+        return;
+    }
+    let topology = build(false).await;
+    let mut agent = topology.start_node_agent(&pod_agent_args(&topology));
+    topology.wait_node_ready().await;
+    let runtime = Runtime::new(&topology);
+    let pod = Netns::new("pod");
+    runtime
+        .add("pod-1", &pod)
+        .unwrap_or_else(|o| panic!("ADD failed: {}", text(&o)));
+
+    agent.kill();
+    let _agent = topology.start_node_agent(&pod_agent_args(&topology));
+    topology.wait_node_ready().await;
+    let mut last = None;
+    for _ in 0..50 {
+        let version = curl_from_pod(&topology, &pod);
+        if version.status.success() {
+            assert_eq!(String::from_utf8_lossy(&version.stdout), VERSION_BODY);
+            return;
+        }
+        last = Some(version);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the pod's capture did not come back: {}", text(&last.unwrap()));
+}

@@ -1,0 +1,235 @@
+//! The node → kube-apiserver topology in network namespaces, shared by the
+//! host and pod capture tests (root).
+//!
+//! ```text
+//!  [node netns] 10.222.0.1 ──veth── 10.222.0.2 [control-plane netns]
+//!   curl/kubectl → 10.96.0.1:443                proxy-server (agent port, node frontend)
+//!   nft REDIRECT → node proxy-agent :15443      control-plane proxy-agent (cp-1)
+//!   (no route to 10.222.1.10)                   nginx "kube-apiserver" on 10.222.1.10:6443 (lo)
+//! ```
+
+#![allow(dead_code)]
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::certs::Pki;
+use super::netns::{Netns, link};
+use super::procs::Proc;
+use super::{Pattern, TempDir, wait_until};
+use sha2::{Digest, Sha256};
+
+pub const VIP: &str = "10.96.0.1";
+pub const VIP6: &str = "fd00:96::1";
+pub const KAS: &str = "10.222.1.10:6443";
+pub const SERVER_IP: &str = "10.222.0.2";
+pub const AGENT_PORT: u16 = 8091;
+pub const NODE_FRONTEND_PORT: u16 = 8096;
+pub const SERVER_HEALTH: u16 = 8092;
+pub const CP_AGENT_HEALTH: u16 = 8093;
+pub const NODE_AGENT_HEALTH: u16 = 8094;
+pub const VERSION_BODY: &str = r#"{"major":"1","minor":"31","gitVersion":"v1.31.0-konnectivity-standin"}"#;
+pub const BLOB_LEN: usize = 200 * 1024 * 1024;
+
+pub struct Topology {
+    pub dir: TempDir,
+    pub pki: Pki,
+    pub node: Netns,
+    /// Held so the namespace lives as long as the topology.
+    _control_plane: Netns,
+    _nginx: Proc,
+    _server: Proc,
+    _cp_agent: Proc,
+    pub blob_sha256: String,
+}
+
+fn write_nginx_config(dir: &std::path::Path, pki: &Pki) -> PathBuf {
+    let www = dir.join("www");
+    std::fs::create_dir_all(www.join("files")).unwrap();
+    let config = format!(
+        r#"daemon off;
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/nginx-body;
+    proxy_temp_path {dir}/nginx-proxy;
+    fastcgi_temp_path {dir}/nginx-fastcgi;
+    uwsgi_temp_path {dir}/nginx-uwsgi;
+    scgi_temp_path {dir}/nginx-scgi;
+    server {{
+        listen {KAS} ssl;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        location = /version {{ default_type application/json; return 200 '{VERSION_BODY}'; }}
+        location = /healthz {{ default_type text/plain; return 200 'ok'; }}
+        location /files/ {{ alias {www}/files/; }}
+    }}
+}}
+"#,
+        dir = dir.display(),
+        cert = pki.kas.cert.display(),
+        key = pki.kas.key.display(),
+        www = www.display(),
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, config).unwrap();
+    path
+}
+
+/// A 200 MiB file for nginx to serve, and its SHA-256.
+fn write_blob(dir: &std::path::Path) -> String {
+    let mut data = vec![0u8; BLOB_LEN];
+    Pattern::new(42).fill(&mut data);
+    std::fs::write(dir.join("www/files/blob"), &data).unwrap();
+    format!("{:x}", Sha256::digest(&data))
+}
+
+pub fn node_agent_args(pki: &Pki, extra_captures: &[String]) -> Vec<String> {
+    let mut args = vec![
+        format!("--proxy-server-host={SERVER_IP}"),
+        format!("--proxy-server-port={AGENT_PORT}"),
+        format!("--ca-cert={}", pki.ca.display()),
+        format!("--agent-cert={}", pki.agent.cert.display()),
+        format!("--agent-key={}", pki.agent.key.display()),
+        "--agent-id=node-1".to_owned(),
+        format!("--health-server-port={NODE_AGENT_HEALTH}"),
+        "--sync-interval=100ms".to_owned(),
+        "--sync-interval-cap=500ms".to_owned(),
+        format!("--capture={VIP}:443={KAS}"),
+        format!("--capture=[{VIP6}]:443={KAS}"),
+        format!("--node-frontend-port={NODE_FRONTEND_PORT}"),
+        format!("--node-client-cert={}", pki.node_client.cert.display()),
+        format!("--node-client-key={}", pki.node_client.key.display()),
+    ];
+    args.extend(extra_captures.iter().cloned());
+    args
+}
+
+/// Builds the topology; `blob` also writes the 200 MiB file for nginx.
+pub async fn build(blob: bool) -> Topology {
+    let dir = TempDir::new("konn-capture");
+    let pki = Pki::new(dir.path());
+    let node = Netns::new("node");
+    let control_plane = Netns::new("cp");
+    link(&node, "10.222.0.1/24", &control_plane, "10.222.0.2/24");
+    // The VIP is routable from the node (as kube-proxy's service range is);
+    // the API server's private address is not.
+    node.ip(&["route", "add", "10.96.0.0/12", "dev", "veth0"]);
+    node.ip(&["addr", "add", "fd00:222::1/64", "dev", "veth0", "nodad"]);
+    control_plane.ip(&["addr", "add", "fd00:222::2/64", "dev", "veth0", "nodad"]);
+    node.ip(&["-6", "route", "add", "fd00:96::/108", "dev", "veth0"]);
+    control_plane.ip(&["addr", "add", "10.222.1.10/32", "dev", "lo"]);
+
+    let nginx_config = write_nginx_config(dir.path(), &pki);
+    let blob_sha256 = if blob {
+        write_blob(dir.path())
+    } else {
+        String::new()
+    };
+    let nginx = control_plane.spawn_program(
+        "nginx",
+        &[
+            "-c".to_owned(),
+            nginx_config.display().to_string(),
+            "-p".to_owned(),
+            dir.path().display().to_string(),
+        ],
+        dir.path(),
+    );
+    let server = control_plane.spawn(
+        "proxy-server",
+        &[
+            "--mode=grpc".to_owned(),
+            format!("--uds-name={}", dir.path().join("kas-egress.sock").display()),
+            "--server-port=0".to_owned(),
+            format!("--agent-port={AGENT_PORT}"),
+            format!("--health-port={SERVER_HEALTH}"),
+            format!("--cluster-cert={}", pki.server.cert.display()),
+            format!("--cluster-key={}", pki.server.key.display()),
+            format!("--cluster-ca-cert={}", pki.ca.display()),
+            format!("--node-frontend-port={NODE_FRONTEND_PORT}"),
+            format!("--node-client-ca-cert={}", pki.node_ca.display()),
+            format!("--node-allowed-destinations={KAS}"),
+            "--control-plane-agent-ids=cp-1".to_owned(),
+        ],
+        dir.path(),
+    );
+    let cp_agent = control_plane.spawn(
+        "proxy-agent",
+        &[
+            format!("--proxy-server-host={SERVER_IP}"),
+            format!("--proxy-server-port={AGENT_PORT}"),
+            format!("--ca-cert={}", pki.ca.display()),
+            format!("--agent-cert={}", pki.control_plane_agent.cert.display()),
+            format!("--agent-key={}", pki.control_plane_agent.key.display()),
+            "--agent-id=cp-1".to_owned(),
+            format!("--health-server-port={CP_AGENT_HEALTH}"),
+            "--sync-interval=100ms".to_owned(),
+            "--sync-interval-cap=500ms".to_owned(),
+        ],
+        dir.path(),
+    );
+    let cp = &control_plane;
+    wait_until(
+        Duration::from_secs(15),
+        "the control-plane agent to connect",
+        || async { cp.http_get(CP_AGENT_HEALTH, "/readyz").0 == 200 },
+    )
+    .await;
+    Topology {
+        dir,
+        pki,
+        node,
+        _control_plane: control_plane,
+        _nginx: nginx,
+        _server: server,
+        _cp_agent: cp_agent,
+        blob_sha256,
+    }
+}
+
+impl Topology {
+    pub fn start_node_agent(&self, extra_captures: &[String]) -> Proc {
+        self.node.spawn(
+            "proxy-agent",
+            &node_agent_args(&self.pki, extra_captures),
+            self.dir.path(),
+        )
+    }
+
+    pub async fn wait_node_ready(&self) {
+        let node = &self.node;
+        wait_until(Duration::from_secs(15), "the node agent to be ready", || async {
+            node.http_get(NODE_AGENT_HEALTH, "/readyz").0 == 200
+        })
+        .await;
+    }
+
+    /// curl inside the node namespace, as a host process would run it.
+    pub fn curl(&self, args: &str) -> std::process::Output {
+        self.node.sh(&format!(
+            "curl -sS --max-time 20 --cacert {} {args}",
+            self.pki.ca.display()
+        ))
+    }
+
+    pub fn version_through_vip(&self) -> std::process::Output {
+        self.curl(&format!("https://{VIP}/version"))
+    }
+
+    pub fn has_table(&self) -> bool {
+        let output = self.node.sh("nft list tables");
+        String::from_utf8_lossy(&output.stdout).contains("konnectivity")
+    }
+}
+
+pub fn text(output: &std::process::Output) -> String {
+    format!(
+        "status {:?}\nstdout: {}\nstderr: {}",
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
