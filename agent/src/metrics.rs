@@ -1,15 +1,12 @@
 //! The agent's Prometheus metrics, under upstream's names
 //! (`konnectivity_network_proxy_agent_*`).
 
+use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-
-type Labels = Vec<(&'static str, &'static str)>;
-
-const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
 
 /// Upstream's reasons for `endpoint_dial_failure_total`.
 #[derive(Clone, Copy, Debug)]

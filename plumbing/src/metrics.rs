@@ -8,6 +8,12 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 
+/// Label sets with static names and values, as all of ours are.
+pub type Labels = Vec<(&'static str, &'static str)>;
+
+/// Upstream's dial latency buckets, 1 µs to 12.5 s.
+pub const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
+
 /// The content type of [`encode`]'s output (Prometheus text format 0.0.4,
 /// which reads the OpenMetrics `# EOF` line as a comment).
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

@@ -117,6 +117,27 @@ pub struct Identity {
     pub key: PemFile,
 }
 
+impl Identity {
+    /// The error for a certificate and key that rustls will not pair.
+    fn pair_error(&self, source: rustls::Error) -> TlsError {
+        TlsError::KeyPair {
+            cert_flag: self.cert.flag,
+            key_flag: self.key.flag,
+            source,
+        }
+    }
+}
+
+/// The certificate chain and private key of an identity.
+fn load_identity(
+    identity: &Identity,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
+    Ok((
+        load_certificates(&identity.cert)?,
+        load_private_key(&identity.key)?,
+    ))
+}
+
 /// Server-side TLS. With `client_ca`, every client must present a certificate
 /// signed by it (mTLS); without, no client certificate is asked for.
 pub fn server_config(
@@ -146,16 +167,10 @@ pub fn server_config(
         }
         None => builder.with_no_client_auth(),
     };
+    let (certs, key) = load_identity(identity)?;
     let mut config = builder
-        .with_single_cert(
-            load_certificates(&identity.cert)?,
-            load_private_key(&identity.key)?,
-        )
-        .map_err(|source| TlsError::KeyPair {
-            cert_flag: identity.cert.flag,
-            key_flag: identity.key.flag,
-            source,
-        })?;
+        .with_single_cert(certs, key)
+        .map_err(|source| identity.pair_error(source))?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(config)
 }
@@ -183,16 +198,12 @@ pub fn client_config(
         .expect("ring supports the default protocol versions")
         .with_root_certificates(roots);
     let mut config = match identity {
-        Some(identity) => builder
-            .with_client_auth_cert(
-                load_certificates(&identity.cert)?,
-                load_private_key(&identity.key)?,
-            )
-            .map_err(|source| TlsError::KeyPair {
-                cert_flag: identity.cert.flag,
-                key_flag: identity.key.flag,
-                source,
-            })?,
+        Some(identity) => {
+            let (certs, key) = load_identity(identity)?;
+            builder
+                .with_client_auth_cert(certs, key)
+                .map_err(|source| identity.pair_error(source))?
+        }
         None => builder.with_no_client_auth(),
     };
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();

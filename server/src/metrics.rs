@@ -2,17 +2,13 @@
 //! (`konnectivity_network_proxy_server_*`).
 
 use konnectivity_plumbing::metrics::UnsuffixedCounter;
+use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels};
 use konnectivity_proto::PacketType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-
-type Labels = Vec<(&'static str, &'static str)>;
-
-/// Upstream's dial latency buckets, 1 µs to 12.5 s.
-const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
 
 /// Why a dial failed, with upstream's label values where upstream has one.
 #[derive(Clone, Copy, Debug)]
