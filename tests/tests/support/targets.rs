@@ -107,22 +107,45 @@ pub async fn blob() -> Target {
     .await
 }
 
+/// `len` pattern bytes for `seed`, produced in CHUNK-sized pieces (the
+/// chunking is part of the pattern, so every producer must use this).
+struct PatternChunks {
+    pattern: Pattern,
+    buf: Vec<u8>,
+    left: u64,
+}
+
+impl PatternChunks {
+    fn new(len: u64, seed: u64) -> Self {
+        PatternChunks {
+            pattern: Pattern::new(seed),
+            buf: vec![0u8; CHUNK],
+            left: len,
+        }
+    }
+
+    fn next_chunk(&mut self) -> Option<&[u8]> {
+        if self.left == 0 {
+            return None;
+        }
+        let n = self.left.min(CHUNK as u64) as usize;
+        self.left -= n as u64;
+        self.pattern.fill(&mut self.buf[..n]);
+        Some(&self.buf[..n])
+    }
+}
+
 /// Writes `len` bytes of the pattern for `seed`, returning their SHA-256.
 pub async fn write_pattern<S: AsyncWrite + Unpin>(
     stream: &mut S,
     len: u64,
     seed: u64,
 ) -> std::io::Result<[u8; 32]> {
-    let mut pattern = Pattern::new(seed);
+    let mut chunks = PatternChunks::new(len, seed);
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; CHUNK];
-    let mut left = len;
-    while left > 0 {
-        let n = left.min(CHUNK as u64) as usize;
-        pattern.fill(&mut buf[..n]);
-        hasher.update(&buf[..n]);
-        stream.write_all(&buf[..n]).await?;
-        left -= n as u64;
+    while let Some(chunk) = chunks.next_chunk() {
+        hasher.update(chunk);
+        stream.write_all(chunk).await?;
     }
     stream.flush().await?;
     Ok(hasher.finalize().into())
@@ -130,15 +153,10 @@ pub async fn write_pattern<S: AsyncWrite + Unpin>(
 
 /// The SHA-256 of `len` pattern bytes for `seed`, as [`write_pattern`] sends them.
 pub fn pattern_digest(len: u64, seed: u64) -> [u8; 32] {
-    let mut pattern = Pattern::new(seed);
+    let mut chunks = PatternChunks::new(len, seed);
     let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; CHUNK];
-    let mut left = len;
-    while left > 0 {
-        let n = left.min(CHUNK as u64) as usize;
-        pattern.fill(&mut buf[..n]);
-        hasher.update(&buf[..n]);
-        left -= n as u64;
+    while let Some(chunk) = chunks.next_chunk() {
+        hasher.update(chunk);
     }
     hasher.finalize().into()
 }
