@@ -1,0 +1,148 @@
+//! `konnectivity-bench`: measures the tunnel (HTTP CONNECT and gRPC
+//! frontends on a Unix socket, agent over mTLS) against direct loopback TCP
+//! to the same targets, in one run, and prints one table of medians.
+//! `hack/bench.sh` builds the release binaries and runs it.
+
+pub mod report;
+pub mod route;
+pub mod scenarios;
+pub mod stack;
+pub mod targets;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use crate::report::{Figures, Table};
+use crate::route::Route;
+use crate::stack::{Layout, Mode, Stack};
+use crate::targets::Targets;
+
+#[derive(Parser, Debug)]
+#[command(name = "konnectivity-bench", about = "The tunnel against direct loopback TCP")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Commands,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Commands {
+    /// Runs every measurement and prints the table.
+    Run(RunArgs),
+    /// Serves the benchmark targets (started by `run`; prints its ports).
+    Targets,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Directory holding proxy-server and proxy-agent (a release build).
+    #[arg(long)]
+    pub bin_dir: PathBuf,
+    /// Certificates from hack/gen-certs.sh.
+    #[arg(long)]
+    pub certs: PathBuf,
+    /// Scratch directory for sockets and process logs.
+    #[arg(long)]
+    pub work: PathBuf,
+    /// Runs per figure; the table shows the median.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Bytes pushed through one connection, and through 8 together.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub bytes: u64,
+    /// Round trips measured per run.
+    #[arg(long, default_value_t = 5000)]
+    pub round_trips: usize,
+    /// Connections opened and closed per run of the set-up measurement.
+    #[arg(long, default_value_t = 5000)]
+    pub setups: usize,
+    /// Idle tunneled connections held for the memory measurement.
+    #[arg(long, default_value_t = 10_000)]
+    pub idle: usize,
+}
+
+pub fn main(cli: Cli) -> anyhow::Result<()> {
+    raise_open_files_limit()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.command {
+        Commands::Targets => runtime.block_on(targets::serve()),
+        Commands::Run(args) => runtime.block_on(run(args)),
+    }
+}
+
+/// 10,000 idle connections need more descriptors than the usual soft limit;
+/// children (targets, server, agent) inherit the raised one.
+fn raise_open_files_limit() -> anyhow::Result<()> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).context("raising RLIMIT_NOFILE")?;
+    Ok(())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.work)?;
+    let layout = Layout {
+        bin_dir: args.bin_dir.clone(),
+        certs: args.certs.clone(),
+        work: args.work.clone(),
+    };
+    let (_targets_proc, targets) = stack::start_targets(&layout)?;
+    let grpc = Stack::start(&layout, Mode::Grpc).await?;
+    let connect = Stack::start(&layout, Mode::HttpConnect).await?;
+    let tunnel = konnectivity_client::Tunnel::connect_uds(&grpc.uds).await?;
+    let routes = [
+        (Route::Direct, None),
+        (Route::Grpc { tunnel }, Some(&grpc)),
+        (
+            Route::HttpConnect {
+                uds: connect.uds.clone(),
+            },
+            Some(&connect),
+        ),
+    ];
+    let mut table = Table::default();
+    for (route, stack) in &routes {
+        eprintln!("== {}", route.name());
+        let figures = measure(&args, route, *stack, &targets)
+            .await
+            .with_context(|| format!("measuring {}", route.name()))?;
+        table.add(route.name(), figures);
+    }
+    println!("{}", table.render(&args));
+    Ok(())
+}
+
+async fn measure(
+    args: &RunArgs,
+    route: &Route,
+    stack: Option<&Stack>,
+    targets: &Targets,
+) -> anyhow::Result<Figures> {
+    use scenarios::*;
+    let mut figures = Figures::default();
+    for run in 0..args.runs {
+        eprintln!("   run {} of {}", run + 1, args.runs);
+        figures
+            .one_stream
+            .push(throughput_one(route, targets, args.bytes).await?);
+        figures
+            .eight_streams
+            .push(throughput_parallel(route, targets, args.bytes, 8).await?);
+        let mut samples = round_trips(route, targets, 1024, args.round_trips).await?;
+        figures.rtt_p50.push(percentile(&mut samples, 0.50));
+        figures.rtt_p99.push(percentile(&mut samples, 0.99));
+        let (rate, mut latencies) = setups(route, targets, args.setups, 16).await?;
+        figures.setups_per_second.push(rate);
+        figures.dial_p50.push(percentile(&mut latencies, 0.50));
+    }
+    if let Some(stack) = stack {
+        eprintln!("   {} idle connections", args.idle);
+        figures.memory_per_connection = Some(memory_per_connection(stack, route, targets, args.idle).await?);
+        eprintln!("   beside a stalled reader and a stalled writer");
+        figures.beside_stalled =
+            Some(beside_stalled(route, targets, args.bytes / 4, Duration::from_secs(20)).await?);
+    }
+    Ok(figures)
+}

@@ -1,0 +1,196 @@
+//! The processes under test: the target process, and one proxy-server with
+//! one proxy-agent per frontend mode, started from the built binaries.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::targets::Targets;
+
+/// Where the binaries and certificates are.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub bin_dir: PathBuf,
+    /// From `hack/gen-certs.sh`: ca, server, agent.
+    pub certs: PathBuf,
+    /// Sockets and logs of this run.
+    pub work: PathBuf,
+}
+
+/// A child process, killed when dropped.
+pub struct Proc {
+    child: Child,
+    name: String,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident memory now, from /proc/PID/status (VmRSS), in bytes.
+    pub fn resident_bytes(&self) -> anyhow::Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        let line = status
+            .lines()
+            .find(|line| line.starts_with("VmRSS:"))
+            .with_context(|| format!("{} has no VmRSS line", self.name))?;
+        let kib: u64 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("unreadable VmRSS line {line:?}"))?;
+        Ok(kib * 1024)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
+    let log = std::fs::File::create(layout.work.join(format!("{name}.log")))?;
+    let child = Command::new(program)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", program.display()))?;
+    Ok(Proc {
+        child,
+        name: name.to_owned(),
+    })
+}
+
+/// Starts this binary's `targets` subcommand and reads the ports it bound
+/// from the one line it prints.
+pub fn start_targets(layout: &Layout) -> anyhow::Result<(Proc, Targets)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("targets")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(layout.work.join("targets.log"))?)
+        .spawn()
+        .context("starting the target process")?;
+    let stdout = child.stdout.take().context("targets stdout")?;
+    let proc = Proc {
+        child,
+        name: "targets".to_owned(),
+    };
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+    let targets = Targets::from_json(line.trim()).context("the target process did not report its ports")?;
+    Ok((proc, targets))
+}
+
+/// A port free at the time of asking.
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The frontend mode kube-apiserver would use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Grpc,
+    HttpConnect,
+}
+
+impl Mode {
+    pub fn flag(self) -> &'static str {
+        match self {
+            Mode::Grpc => "grpc",
+            Mode::HttpConnect => "http-connect",
+        }
+    }
+}
+
+/// proxy-server (frontend on a Unix socket) and one proxy-agent over mTLS.
+pub struct Stack {
+    pub mode: Mode,
+    pub uds: PathBuf,
+    pub server: Proc,
+    pub agent: Proc,
+}
+
+impl Stack {
+    pub async fn start(layout: &Layout, mode: Mode) -> anyhow::Result<Stack> {
+        let certs = |name: &str| layout.certs.join(name).display().to_string();
+        let uds = layout.work.join(format!("{}.socket", mode.flag()));
+        let (agent_port, server_health, agent_health) = (free_port()?, free_port()?, free_port()?);
+        let server = spawn(
+            layout,
+            &format!("proxy-server-{}", mode.flag()),
+            &layout.bin_dir.join("proxy-server"),
+            &[
+                format!("--mode={}", mode.flag()),
+                format!("--uds-name={}", uds.display()),
+                "--delete-existing-uds-file".into(),
+                "--server-port=0".into(),
+                format!("--agent-port={agent_port}"),
+                "--agent-bind-address=127.0.0.1".into(),
+                format!("--cluster-cert={}", certs("server.crt")),
+                format!("--cluster-key={}", certs("server.key")),
+                format!("--cluster-ca-cert={}", certs("ca.crt")),
+                format!("--health-port={server_health}"),
+                "--health-bind-address=127.0.0.1".into(),
+            ],
+        )?;
+        let agent = spawn(
+            layout,
+            &format!("proxy-agent-{}", mode.flag()),
+            &layout.bin_dir.join("proxy-agent"),
+            &[
+                "--proxy-server-host=127.0.0.1".into(),
+                format!("--proxy-server-port={agent_port}"),
+                format!("--ca-cert={}", certs("ca.crt")),
+                format!("--agent-cert={}", certs("agent.crt")),
+                format!("--agent-key={}", certs("agent.key")),
+                "--agent-id=bench-agent".into(),
+                format!("--health-server-port={agent_health}"),
+                "--health-server-host=127.0.0.1".into(),
+            ],
+        )?;
+        wait_ready(server_health, Duration::from_secs(20))
+            .await
+            .with_context(|| format!("proxy-server ({}) never became ready", mode.flag()))?;
+        Ok(Stack {
+            mode,
+            uds,
+            server,
+            agent,
+        })
+    }
+
+    /// Resident memory of server and agent together.
+    pub fn resident_bytes(&self) -> anyhow::Result<u64> {
+        Ok(self.server.resident_bytes()? + self.agent.resident_bytes()?)
+    }
+}
+
+/// Polls `/readyz` until it answers 200: the agent is connected.
+async fn wait_ready(port: u16, limit: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            let request = "GET /readyz HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
+            let mut response = String::new();
+            if stream.write_all(request.as_bytes()).await.is_ok()
+                && stream.read_to_string(&mut response).await.is_ok()
+                && response.starts_with("HTTP/1.1 200")
+            {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("not ready within {limit:?}")
+}

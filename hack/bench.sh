@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Benchmarks the tunnel against direct loopback TCP, in one run: builds the
+# release binaries, makes throwaway certificates, starts a target process,
+# a proxy-server + proxy-agent pair per frontend mode (gRPC and HTTP CONNECT,
+# each on a Unix socket; the agent on mTLS), and prints one Markdown table.
+# Extra arguments go to `konnectivity-bench run` (e.g. --runs 5, --idle 2000).
+# Run on Debian: bash hack/bench.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+command -v openssl >/dev/null || {
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends openssl >/dev/null
+}
+
+cargo build --release --locked --quiet --bin proxy-server --bin proxy-agent --bin konnectivity-bench
+work=$(mktemp -d /tmp/konnectivity-bench.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+hack/gen-certs.sh "$work/certs"
+target/release/konnectivity-bench run --bin-dir target/release --certs "$work/certs" --work "$work" "$@"
