@@ -61,7 +61,9 @@ pub struct Args {
     /// Longest wait between reconnection attempts.
     #[arg(long, value_parser = parse_duration, default_value = "10s")]
     pub sync_interval_cap: Duration,
-    /// Packets buffered per connection towards its endpoint.
+    /// Packets buffered per connection towards its endpoint (upstream's knob; not
+    /// applied: this version buffers up to the per-connection flow-control window,
+    /// 1 MiB, instead).
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
     /// Bind address of the admin listener.
@@ -212,7 +214,6 @@ pub struct Config {
     pub sync_interval: Duration,
     pub sync_interval_cap: Duration,
     pub health_addr: SocketAddr,
-    pub xfr_channel_size: usize,
     pub dial_timeout: Duration,
     pub node: Option<NodeConfig>,
 }
@@ -323,7 +324,6 @@ impl Config {
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
             health_addr: SocketAddr::new(health_ip, args.health_server_port),
-            xfr_channel_size: args.xfr_channel_size,
             dial_timeout: args.dial_timeout,
             node,
         })
@@ -380,6 +380,7 @@ impl Args {
     pub fn inert_settings(&self) -> Vec<&'static str> {
         let mut inert: Vec<&'static str> = [
             ("admin-server-port", self.admin_server_port != 8094),
+            ("xfr-channel-size", self.xfr_channel_size != 150),
             ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
             ("probe-interval", self.probe_interval != Duration::from_secs(1)),
             ("keepalive-time", self.keepalive_time != Duration::from_secs(3600)),

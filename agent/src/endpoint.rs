@@ -5,8 +5,9 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use konnectivity_proto::flow::{ReceiveCredit, SendWindow};
 use konnectivity_proto::{ConnectId, DATA_CHUNK, Frame, Packet};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
@@ -75,52 +76,74 @@ pub struct EndpointClosed {
     pub error: Option<String>,
 }
 
+/// What an endpoint's two tasks need of their session's stream.
+#[derive(Clone)]
+pub struct StreamHandle {
+    pub connect_id: ConnectId,
+    /// Packets to the server.
+    pub outbound: mpsc::Sender<Packet>,
+    /// Where the end of the connection is reported.
+    pub closed: mpsc::Sender<EndpointClosed>,
+}
+
+impl StreamHandle {
+    async fn report_closed(&self, error: Option<String>) {
+        let connect_id = self.connect_id;
+        let _ = self.closed.send(EndpointClosed { connect_id, error }).await;
+    }
+}
+
 /// Reads from the endpoint and sends DATA to the server until the endpoint
 /// closes; then reports the close so the session answers with CLOSE_RSP.
-pub async fn pump_from_endpoint(
-    mut read: OwnedReadHalf,
-    connect_id: ConnectId,
-    outbound: mpsc::Sender<Packet>,
-    closed: mpsc::Sender<EndpointClosed>,
-) {
+pub async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream: StreamHandle) {
+    let connect_id = stream.connect_id;
     let mut buf = BytesMut::new();
     let error = loop {
+        // Wait for bytes before taking a buffer, so an idle connection holds
+        // no 64 KiB of memory.
+        if let Err(error) = read.readable().await {
+            break Some(error.to_string());
+        }
         buf.reserve(DATA_CHUNK);
-        match read.read_buf(&mut buf).await {
+        match read.try_read_buf(&mut buf) {
             Ok(0) => break None,
             Ok(_) => {
                 let data = buf.split().freeze();
-                if outbound
-                    .send(Frame::Data { connect_id, data }.into())
-                    .await
-                    .is_err()
-                {
+                if window.reserve(data.len()).await.is_err() {
+                    return;
+                }
+                let packet = Frame::Data { connect_id, data }.into();
+                if stream.outbound.send(packet).await.is_err() {
                     return;
                 }
             }
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
             Err(error) => break Some(error.to_string()),
         }
     };
-    let _ = closed.send(EndpointClosed { connect_id, error }).await;
+    stream.report_closed(error).await;
 }
 
-/// Writes what the server sends to the endpoint. Ends when the session drops
-/// the sender (CLOSE_REQ, or the stream ended) after writing what was queued.
+/// Writes what the server sends to the endpoint, returning flow-control
+/// credit as the bytes leave. Ends when the session drops the sender
+/// (CLOSE_REQ, or the stream ended) after writing what was queued.
 pub async fn pump_to_endpoint(
     mut write: OwnedWriteHalf,
-    mut data: mpsc::Receiver<Bytes>,
-    connect_id: ConnectId,
-    closed: mpsc::Sender<EndpointClosed>,
+    mut data: mpsc::UnboundedReceiver<Bytes>,
+    mut credit: ReceiveCredit,
+    stream: StreamHandle,
 ) {
     while let Some(chunk) = data.recv().await {
         if let Err(error) = write.write_all(&chunk).await {
-            let _ = closed
-                .send(EndpointClosed {
-                    connect_id,
-                    error: Some(error.to_string()),
-                })
-                .await;
+            stream.report_closed(Some(error.to_string())).await;
             return;
+        }
+        if let Some(bytes) = credit.consumed(chunk.len()) {
+            let connect_id = stream.connect_id;
+            let update = Frame::WindowUpdate { connect_id, bytes }.into();
+            if stream.outbound.send(update).await.is_err() {
+                return;
+            }
         }
     }
     let _ = write.shutdown().await;

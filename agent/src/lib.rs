@@ -107,7 +107,6 @@ pub async fn run(
     };
     let settings = SessionSettings {
         dial_timeout: config.dial_timeout,
-        xfr_channel_size: config.xfr_channel_size,
         mark: config.node.as_ref().map(|node| node.mark),
     };
     tracing::info!(agent_id = %config.agent_id, server = %target.address(), "proxy-agent started");
@@ -149,11 +148,17 @@ async fn serve_servers(
         match target.connect().await {
             Ok(stream) => {
                 backoff.reset();
-                tracing::info!(server_id = %stream.server_id, server_count = stream.server_count, "connected to proxy-server");
+                tracing::info!(
+                    server_id = %stream.server_id,
+                    server_count = stream.server_count,
+                    flow_control = stream.flow_control,
+                    "connected to proxy-server"
+                );
                 let _open = GaugeGuard::new(&metrics.open_server_connections);
                 let reason = session::run(
                     stream.inbound,
                     stream.outbound,
+                    stream.flow_control,
                     settings.clone(),
                     metrics.clone(),
                     drain.clone(),

@@ -9,10 +9,11 @@ use std::time::Duration;
 use hyper_util::rt::TokioIo;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
-use konnectivity_proto::{AgentIdentifiers, Packet};
+use konnectivity_proto::{AgentIdentifiers, Packet, flow};
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Endpoint, Uri};
 use tonic::{Request, Streaming};
 
@@ -63,6 +64,8 @@ pub struct ServerStream {
     pub server_count: u32,
     pub inbound: Streaming<Packet>,
     pub outbound: mpsc::Sender<Packet>,
+    /// The server agreed to per-connection flow control ([`flow`]).
+    pub flow_control: bool,
 }
 
 impl ServerTarget {
@@ -118,6 +121,7 @@ impl ServerTarget {
                 value: self.agent_id.clone(),
             })?,
         );
+        metadata.insert(flow::HEADER, AsciiMetadataValue::from_static(flow::VERSION));
         if !self.identifiers.is_empty() {
             let text = self.identifiers.to_string();
             metadata.insert(
@@ -158,9 +162,14 @@ impl ServerTarget {
                 .and_then(|v| v.parse().ok())
                 .ok_or_else(|| bad(SERVER_COUNT, "not a number"))?,
         };
+        let flow_control = response
+            .metadata()
+            .get(flow::HEADER)
+            .is_some_and(|value| value == flow::VERSION);
         Ok(ServerStream {
             server_id,
             server_count,
+            flow_control,
             inbound: response.into_inner(),
             outbound,
         })

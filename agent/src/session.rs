@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_proto::flow::{self, ReceiveGate, Refused, SendWindow};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
@@ -19,14 +20,16 @@ use crate::metrics::AgentMetrics;
 #[derive(Clone, Debug)]
 pub struct SessionSettings {
     pub dial_timeout: Duration,
-    pub xfr_channel_size: usize,
     /// SO_MARK for endpoint dials when the node role's capture rules are
     /// installed, so the agent's own dials are never captured.
     pub mark: Option<u32>,
 }
 
 struct Endpoint {
-    to_endpoint: mpsc::Sender<Bytes>,
+    /// Unbounded: what it holds is bounded by `receive_gate`.
+    to_endpoint: mpsc::UnboundedSender<Bytes>,
+    receive_gate: ReceiveGate,
+    send_window: SendWindow,
     reader: AbortHandle,
     _gauge: GaugeGuard,
 }
@@ -36,6 +39,7 @@ impl Drop for Endpoint {
         // The writer task ends once `to_endpoint` is dropped, after flushing
         // what was queued; the reader must be stopped explicitly.
         self.reader.abort();
+        self.send_window.close();
     }
 }
 
@@ -48,6 +52,8 @@ struct Session {
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     outbound: mpsc::Sender<Packet>,
+    /// The server agreed to per-connection flow control.
+    flow_control: bool,
     next_connect_id: ConnectId,
     dials: HashMap<DialId, AbortHandle>,
     endpoints: HashMap<ConnectId, Endpoint>,
@@ -63,6 +69,7 @@ struct StreamGone;
 pub async fn run<S>(
     mut inbound: S,
     outbound: mpsc::Sender<Packet>,
+    flow_control: bool,
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     mut drain: watch::Receiver<bool>,
@@ -78,6 +85,7 @@ where
         settings,
         metrics,
         outbound,
+        flow_control,
         next_connect_id: ConnectId::FIRST,
         dials: HashMap::new(),
         endpoints: HashMap::new(),
@@ -126,20 +134,13 @@ impl Session {
             }
         };
         match frame {
-            Frame::Data { connect_id, data } => match self.endpoints.get(&connect_id) {
-                Some(endpoint) => {
-                    // A failed send means the writer already reported the
-                    // endpoint closed; that report answers the server.
-                    let _ = endpoint.to_endpoint.send(data).await;
+            Frame::Data { connect_id, data } => self.on_data(connect_id, data).await?,
+            Frame::WindowUpdate { connect_id, bytes } => {
+                // Unknown ids are connections that just ended; nothing to do.
+                if let Some(endpoint) = self.endpoints.get(&connect_id) {
+                    endpoint.send_window.grant(bytes);
                 }
-                None => {
-                    self.send(Frame::CloseResponse {
-                        connect_id,
-                        error: Some(format!("unknown connectID {connect_id}")),
-                    })
-                    .await?
-                }
-            },
+            }
             Frame::DialRequest {
                 protocol,
                 address,
@@ -162,6 +163,37 @@ impl Session {
             }
         }
         Ok(())
+    }
+
+    /// Hands DATA to its endpoint's writer. With flow control this never
+    /// waits; with an upstream server it waits for a full endpoint, as
+    /// upstream's agent does.
+    async fn on_data(&mut self, connect_id: ConnectId, data: Bytes) -> Result<(), StreamGone> {
+        let Some(endpoint) = self.endpoints.get(&connect_id) else {
+            return self
+                .send(Frame::CloseResponse {
+                    connect_id,
+                    error: Some(format!("unknown connectID {connect_id}")),
+                })
+                .await;
+        };
+        match endpoint.receive_gate.admit(data.len()).await {
+            // A failed send means the writer already reported the endpoint
+            // closed; that report answers the server.
+            Ok(()) | Err(Refused::Closed) => {
+                let _ = endpoint.to_endpoint.send(data);
+                Ok(())
+            }
+            Err(overrun @ Refused::Overrun) => {
+                tracing::warn!(%connect_id, error = %overrun, "closing connection");
+                self.endpoints.remove(&connect_id);
+                self.send(Frame::CloseResponse {
+                    connect_id,
+                    error: Some(overrun.to_string()),
+                })
+                .await
+            }
+        }
     }
 
     async fn on_dial_request(
@@ -226,23 +258,27 @@ impl Session {
         })
         .await?;
         let (read, write) = stream.into_split();
-        let (to_endpoint, from_server) = mpsc::channel(self.settings.xfr_channel_size);
+        let (to_endpoint, from_server) = mpsc::unbounded_channel();
+        let (receive_gate, receive_credit) = flow::receive_window(self.flow_control);
+        let send_window = SendWindow::new(self.flow_control);
+        let stream = endpoint::StreamHandle {
+            connect_id,
+            outbound: self.outbound.clone(),
+            closed: self.closed_tx.clone(),
+        };
         tokio::spawn(endpoint::pump_to_endpoint(
             write,
             from_server,
-            connect_id,
-            self.closed_tx.clone(),
+            receive_credit,
+            stream.clone(),
         ));
-        let reader = tokio::spawn(endpoint::pump_from_endpoint(
-            read,
-            connect_id,
-            self.outbound.clone(),
-            self.closed_tx.clone(),
-        ));
+        let reader = tokio::spawn(endpoint::pump_from_endpoint(read, send_window.clone(), stream));
         self.endpoints.insert(
             connect_id,
             Endpoint {
                 to_endpoint,
+                receive_gate,
+                send_window,
                 reader: reader.abort_handle(),
                 _gauge: GaugeGuard::new(&self.metrics.open_endpoint_connections),
             },

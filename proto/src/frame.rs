@@ -39,6 +39,12 @@ pub enum Frame {
         dial_id: DialId,
     },
     Drain,
+    /// konnectivity-rs extension ([`crate::flow`]): the receiver consumed
+    /// `bytes` more of `connect_id`'s window.
+    WindowUpdate {
+        connect_id: ConnectId,
+        bytes: u32,
+    },
 }
 
 /// Why a packet was rejected. The text is what peers and logs see.
@@ -93,6 +99,10 @@ impl TryFrom<Packet> for Frame {
             // Drain has no fields, so a Go peer may send it with or without
             // the empty message.
             (PacketType::Drain, Some(Payload::Drain(_)) | None) => Frame::Drain,
+            (PacketType::WindowUpdate, Some(Payload::WindowUpdate(w))) => Frame::WindowUpdate {
+                connect_id: connect_id(w.connect_id)?,
+                bytes: w.bytes,
+            },
             (kind, _) => return Err(PacketError::PayloadMismatch(kind)),
         };
         Ok(frame)
@@ -156,6 +166,13 @@ impl From<Frame> for Packet {
                 }),
             ),
             Frame::Drain => (PacketType::Drain, Payload::Drain(wire::Drain {})),
+            Frame::WindowUpdate { connect_id, bytes } => (
+                PacketType::WindowUpdate,
+                Payload::WindowUpdate(wire::WindowUpdate {
+                    connect_id: connect_id.get(),
+                    bytes,
+                }),
+            ),
         };
         Packet {
             r#type: kind as i32,
@@ -175,6 +192,7 @@ impl Frame {
             Frame::Data { .. } => PacketType::Data,
             Frame::CloseDial { .. } => PacketType::DialCls,
             Frame::Drain => PacketType::Drain,
+            Frame::WindowUpdate { .. } => PacketType::WindowUpdate,
         }
     }
 }
@@ -284,6 +302,18 @@ mod tests {
         assert_eq!(decode(&expected), Ok(Frame::Drain));
         // A Go peer may omit the empty Drain message.
         assert_eq!(decode(&[0x08, 0x06]), Ok(Frame::Drain));
+    }
+
+    #[test]
+    fn window_update_encoding() {
+        let frame = Frame::WindowUpdate {
+            connect_id: ConnectId::new(5).unwrap(),
+            bytes: 65536,
+        };
+        // type 32; field 32 (tag 0x82 0x02), 6 bytes: connectID 5, bytes 65536.
+        let expected = [0x08, 0x20, 0x82, 0x02, 0x06, 0x08, 0x05, 0x10, 0x80, 0x80, 0x04];
+        assert_eq!(encode(frame.clone()), expected);
+        assert_eq!(decode(&expected), Ok(frame));
     }
 
     #[test]

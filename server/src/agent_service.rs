@@ -11,7 +11,7 @@ use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_plumbing::tls::certificate_names;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_server::AgentService;
-use konnectivity_proto::{AgentIdentifiers, Packet};
+use konnectivity_proto::{AgentIdentifiers, Packet, flow};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
@@ -102,6 +102,10 @@ impl AgentService for AgentServer {
         let agent_id = exactly_one(request.metadata(), AGENT_ID)?.to_owned();
         let identifiers = identifiers(request.metadata())?;
         let control_plane = self.control_plane_ids.contains(&agent_id);
+        let flow_control = request
+            .metadata()
+            .get(flow::HEADER)
+            .is_some_and(|value| value == flow::VERSION);
         if control_plane {
             // The role comes from our configuration, bound to the verified
             // certificate: an agent cannot promote itself by its id alone.
@@ -126,6 +130,7 @@ impl AgentService for AgentServer {
             agent_id,
             identifiers,
             control_plane,
+            flow_control,
             outbound_tx,
             commands_tx,
             self.metrics.clone(),
@@ -134,6 +139,7 @@ impl AgentService for AgentServer {
             agent_id = %backend.agent_id,
             identifiers = %backend.identifiers,
             control_plane,
+            flow_control,
             "agent connected"
         );
         self.registry.add(backend.clone());
@@ -154,6 +160,11 @@ impl AgentService for AgentServer {
         response
             .metadata_mut()
             .insert(SERVER_COUNT, self.server_count.clone());
+        if flow_control {
+            response
+                .metadata_mut()
+                .insert(flow::HEADER, AsciiMetadataValue::from_static(flow::VERSION));
+        }
         Ok(response)
     }
 }

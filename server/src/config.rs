@@ -94,11 +94,12 @@ pub struct Args {
     /// How long a dial may wait for the agent's DIAL_RSP; 0 waits for the agent's own timeout.
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub backend_dial_timeout: Duration,
-    /// Packets buffered per connection in each direction.
+    /// Packets buffered per connection (upstream's knob; not applied: this version
+    /// buffers up to the per-connection flow-control window, 1 MiB, instead).
     #[arg(long, default_value_t = 10)]
     pub xfr_channel_size: usize,
-    /// Buffered packets per HTTP CONNECT frontend (upstream's knob; this version sizes
-    /// frontend queues by --xfr-channel-size).
+    /// Buffered packets per HTTP CONNECT frontend (upstream's knob; not applied, as
+    /// --xfr-channel-size).
     #[arg(long, default_value_t = 10)]
     pub frontend_write_channel_size: usize,
     /// Interval of HTTP/2 keepalive pings on agent connections (not applied yet).
@@ -212,7 +213,6 @@ pub struct Config {
     pub strategies: Vec<Strategy>,
     pub health_addr: SocketAddr,
     pub backend_dial_timeout: Option<Duration>,
-    pub xfr_channel_size: usize,
     pub tls_versions: TlsVersions,
     pub node_frontend: Option<NodeFrontend>,
     /// Agent ids that are control-plane agents (bound to their certificates).
@@ -374,7 +374,6 @@ impl Config {
             strategies,
             health_addr: bind_address("health-bind-address", &args.health_bind_address, args.health_port)?,
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
-            xfr_channel_size: args.xfr_channel_size,
             tls_versions,
             node_frontend,
             control_plane_agent_ids,
@@ -439,6 +438,7 @@ impl Args {
                 "frontend-write-channel-size",
                 self.frontend_write_channel_size != 10,
             ),
+            ("xfr-channel-size", self.xfr_channel_size != 10),
             ("keepalive-time", self.keepalive_time != Duration::from_secs(3600)),
             (
                 "frontend-keepalive-time",

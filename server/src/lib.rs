@@ -121,7 +121,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         registry,
         metrics,
         timeout: config.backend_dial_timeout,
-        channel_size: config.xfr_channel_size,
         class: FrontendClass::Apiserver,
         node_allowed: Arc::new(Vec::new()),
     };

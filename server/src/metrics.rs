@@ -79,7 +79,26 @@ pub struct ServerMetrics {
     packet_counters: [[Counter; PACKET_TYPES]; 2],
 }
 
-const PACKET_TYPES: usize = 7;
+/// Upstream's seven packet types and our WINDOW_UPDATE extension.
+const PACKET_TYPES: usize = 8;
+const ALL_PACKET_TYPES: [PacketType; PACKET_TYPES] = [
+    PacketType::DialReq,
+    PacketType::DialRsp,
+    PacketType::CloseReq,
+    PacketType::CloseRsp,
+    PacketType::Data,
+    PacketType::DialCls,
+    PacketType::Drain,
+    PacketType::WindowUpdate,
+];
+
+/// Index of a packet type in [`ALL_PACKET_TYPES`].
+fn packet_index(kind: PacketType) -> usize {
+    match kind {
+        PacketType::WindowUpdate => 7,
+        upstream => upstream as usize,
+    }
+}
 
 impl Default for ServerMetrics {
     fn default() -> Self {
@@ -100,8 +119,7 @@ impl Default for ServerMetrics {
         let stream_packets = Family::<Labels, Counter>::default();
         let mut packet_counters: [[Counter; PACKET_TYPES]; 2] = Default::default();
         for (segment, counters) in packet_counters.iter_mut().enumerate() {
-            for (kind, counter) in counters.iter_mut().enumerate() {
-                let kind = PacketType::try_from(kind as i32).expect("packet types are 0..7");
+            for (kind, counter) in ALL_PACKET_TYPES.into_iter().zip(counters.iter_mut()) {
                 *counter = stream_packets
                     .get_or_create(&vec![
                         ("segment", Segment::ALL[segment].label()),
@@ -182,6 +200,22 @@ impl ServerMetrics {
     }
 
     pub fn packet(&self, segment: Segment, kind: PacketType) {
-        self.packet_counters[segment as usize][kind as usize].inc();
+        self.packet_counters[segment as usize][packet_index(kind)].inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_packet_type_has_its_own_counter() {
+        for (index, kind) in ALL_PACKET_TYPES.into_iter().enumerate() {
+            assert_eq!(packet_index(kind), index, "{kind:?}");
+        }
+        let metrics = ServerMetrics::default();
+        metrics.packet(Segment::FromAgent, PacketType::WindowUpdate);
+        let text = konnectivity_plumbing::metrics::encode(&metrics.registry);
+        assert!(text.contains(r#"packet_type="WINDOW_UPDATE"} 1"#), "{text}");
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use konnectivity_proto::flow::{self, ReceiveCredit, SendWindow};
 use konnectivity_proto::{ConnectId, DialId, Frame};
 use tokio::sync::mpsc;
 
@@ -59,8 +60,6 @@ pub struct Dialer {
     pub metrics: Arc<ServerMetrics>,
     /// `--backend-dial-timeout`; `None` leaves the deadline to the agent.
     pub timeout: Option<Duration>,
-    /// `--xfr-channel-size`: events buffered per connection.
-    pub channel_size: usize,
     /// Who dials through this dialer, which decides agents and destinations.
     pub class: FrontendClass,
     /// For node clients: the destinations they may reach.
@@ -83,12 +82,16 @@ impl Dialer {
             self.metrics.dial_failed(DialFailure::NoBackend);
             return Err(DialError::NoBackend);
         };
-        let (events_tx, mut events) = mpsc::channel(self.channel_size);
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let send_window = SendWindow::new(backend.flow_control);
+        let (receive_gate, receive_credit) = flow::receive_window(backend.flow_control);
         backend
             .command(Command::Dial {
                 dial_id,
                 address: address.to_owned(),
                 events: events_tx,
+                send_window: send_window.clone(),
+                receive_gate,
             })
             .await
             .map_err(|BackendGone| DialError::BackendGone)?;
@@ -118,8 +121,15 @@ impl Dialer {
                 sender: TunnelSender {
                     backend: backend.clone(),
                     connect_id,
+                    window: send_window,
                 },
-                events,
+                receiver: TunnelReceiver {
+                    backend: backend.clone(),
+                    connect_id,
+                    events,
+                    credit: receive_credit,
+                    unconsumed: 0,
+                },
             }),
             Some(Event::Dialed(Err(text))) => Err(DialError::Agent(text)),
             Some(_) | None => Err(DialError::BackendGone),
@@ -147,14 +157,14 @@ impl Drop for CancelDialOnDrop<'_> {
 pub struct TunnelConn {
     pub connect_id: ConnectId,
     sender: TunnelSender,
-    events: mpsc::Receiver<Event>,
+    receiver: TunnelReceiver,
 }
 
 impl TunnelConn {
     /// Splits into the half that sends to the agent and the half that
     /// receives from it, so both directions can run at once.
     pub fn split(self) -> (TunnelSender, TunnelReceiver) {
-        (self.sender, TunnelReceiver { events: self.events })
+        (self.sender, self.receiver)
     }
 }
 
@@ -163,10 +173,15 @@ impl TunnelConn {
 pub struct TunnelSender {
     backend: Arc<Backend>,
     connect_id: ConnectId,
+    window: SendWindow,
 }
 
 impl TunnelSender {
+    /// Sends one chunk, first waiting for the connection's flow-control
+    /// credit (with agents that negotiated it). Fails once the connection or
+    /// the agent stream is gone.
     pub async fn send(&self, data: Bytes) -> Result<(), BackendGone> {
+        self.window.reserve(data.len()).await.map_err(|_| BackendGone)?;
         self.backend
             .send(Frame::Data {
                 connect_id: self.connect_id,
@@ -196,13 +211,36 @@ pub enum RemoteEnd {
 }
 
 pub struct TunnelReceiver {
-    events: mpsc::Receiver<Event>,
+    backend: Arc<Backend>,
+    connect_id: ConnectId,
+    events: mpsc::UnboundedReceiver<Event>,
+    credit: ReceiveCredit,
+    /// Length of the chunk handed out last: asking for the next one means
+    /// the caller has written it, so its credit goes back to the agent.
+    unconsumed: usize,
 }
 
 impl TunnelReceiver {
     /// The next chunk from the remote end, or how the connection ended.
+    /// Call it only once the previous chunk is written to the client.
     pub async fn recv(&mut self) -> Result<Bytes, RemoteEnd> {
-        match self.events.recv().await {
+        let consumed = std::mem::take(&mut self.unconsumed);
+        if consumed > 0
+            && let Some(bytes) = self.credit.consumed(consumed)
+        {
+            let update = Frame::WindowUpdate {
+                connect_id: self.connect_id,
+                bytes,
+            };
+            if let Err(gone) = self.backend.send(update).await {
+                return Err(RemoteEnd::Failed(gone.to_string()));
+            }
+        }
+        let event = self.events.recv().await;
+        if let Some(Event::Data(data)) = &event {
+            self.unconsumed = data.len();
+        }
+        match event {
             Some(Event::Data(data)) => Ok(data),
             Some(Event::Closed(None)) => Err(RemoteEnd::Closed),
             Some(Event::Closed(Some(error))) => Err(RemoteEnd::Failed(error)),

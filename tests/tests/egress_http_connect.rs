@@ -345,3 +345,67 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
     drop(tunnel);
     assert_gauges_return_to_zero(&setup).await;
 }
+
+/// Upstream's protocol has no per-connection flow control: one connection
+/// whose reader stops stalls every other connection on the agent stream.
+/// With ours, a client that stops reading (its target keeps sending) and a
+/// target that stops reading (its client keeps sending) leave a third
+/// connection on the same agent stream free to dial and move 64 MiB each way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_connections_do_not_stall_others_on_the_agent_stream() {
+    let setup = setup(true, &[]).await;
+    let target = targets::blob().await;
+    let blackhole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let blackhole_addr = blackhole.local_addr().unwrap().to_string();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = blackhole.accept().await {
+            held.push(stream);
+        }
+    });
+    let uds = setup.server.uds_path();
+
+    // Bounded as a whole: without per-connection flow control even the
+    // second CONNECT hangs, since its DIAL_RSP queues behind the unread data.
+    let scenario = async {
+        let mut unread = via_uds(uds, &target.addr.to_string())
+            .await
+            .unwrap()
+            .expect("CONNECT accepted");
+        targets::request_pull(&mut unread, 64 * GIB, 1).await.unwrap();
+        let mut unwritable = via_uds(uds, &blackhole_addr)
+            .await
+            .unwrap()
+            .expect("CONNECT accepted beside an unread connection");
+        let writer = tokio::spawn(async move {
+            let chunk = vec![7u8; 64 * 1024];
+            while unwritable.write_all(&chunk).await.is_ok() {}
+        });
+        // Long enough for both to fill every buffer between them and their peers.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+
+        let mut tunnel = via_uds(uds, &target.addr.to_string())
+            .await
+            .unwrap()
+            .expect("CONNECT accepted beside the stalled connections");
+        let (sent, received) = targets::push(&mut tunnel, 64 << 20, 2).await.unwrap();
+        assert_eq!(sent, received, "pushed bytes arrive intact");
+        let pulled = targets::pull(&mut tunnel, 64 << 20, 3).await.unwrap();
+        assert_eq!(pulled, pattern_digest(64 << 20, 3), "pulled bytes arrive intact");
+        (unread, writer)
+    };
+    let (unread, writer) = tokio::time::timeout(Duration::from_secs(60), scenario)
+        .await
+        .expect("connections beside a stalled one must not stall");
+
+    // The stalled ones were held, not dropped: what they buffer is bounded
+    // by their windows, and they close cleanly.
+    assert!(
+        !writer.is_finished(),
+        "the writer towards the blackhole is still blocked"
+    );
+    writer.abort();
+    drop(unread);
+    held.abort();
+    assert_gauges_return_to_zero(&setup).await;
+}

@@ -3,8 +3,9 @@
 //! Each agent stream is served by one session task ([`session`]) that owns
 //! its pending dials and its connection table; frontends talk to it through
 //! a bounded command channel and get [`Event`]s back on a per-connection
-//! bounded channel. DATA from a frontend goes straight onto the agent's
-//! outbound queue, without a hop through the session task.
+//! channel whose bytes are bounded by the connection's receive window
+//! ([`konnectivity_proto::flow`]). DATA from a frontend goes straight onto the agent's outbound
+//! queue, without a hop through the session task.
 
 pub mod registry;
 pub mod session;
@@ -14,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
+use konnectivity_proto::flow::{ReceiveGate, SendWindow};
 use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, Frame, Packet};
 use tokio::sync::mpsc;
 
@@ -31,6 +33,8 @@ pub struct Backend {
     pub identifiers: AgentIdentifiers,
     /// A control-plane agent: serves node dials only (see [`crate::policy`]).
     pub control_plane: bool,
+    /// The agent negotiated per-connection flow control ([`konnectivity_proto::flow`]).
+    pub flow_control: bool,
     /// Packets to the agent, in order; the gRPC response stream drains it.
     outbound: mpsc::Sender<Packet>,
     /// Requests to this stream's session task.
@@ -43,10 +47,13 @@ pub struct Backend {
 #[derive(Debug)]
 pub enum Command {
     /// Register a dial and send DIAL_REQ; the answer arrives on `events`.
+    /// The windows are the connection's, once the dial succeeds.
     Dial {
         dial_id: DialId,
         address: String,
-        events: mpsc::Sender<Event>,
+        events: mpsc::UnboundedSender<Event>,
+        send_window: SendWindow,
+        receive_gate: ReceiveGate,
     },
     /// The frontend gave up on a dial it started (DIAL_CLS to the agent).
     CancelDial { dial_id: DialId },
@@ -78,6 +85,7 @@ impl Backend {
         agent_id: String,
         identifiers: AgentIdentifiers,
         control_plane: bool,
+        flow_control: bool,
         outbound: mpsc::Sender<Packet>,
         commands: mpsc::Sender<Command>,
         metrics: Arc<ServerMetrics>,
@@ -87,6 +95,7 @@ impl Backend {
             agent_id,
             identifiers,
             control_plane,
+            flow_control,
             outbound,
             commands,
             draining: AtomicBool::new(false),

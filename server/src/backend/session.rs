@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_proto::flow::{ReceiveGate, Refused, SendWindow};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use tokio::sync::mpsc;
 
@@ -14,14 +15,26 @@ use super::{Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, Segment, ServerMetrics};
 
 struct PendingDial {
-    events: mpsc::Sender<Event>,
+    events: mpsc::UnboundedSender<Event>,
+    send_window: SendWindow,
+    receive_gate: ReceiveGate,
     started: Instant,
     _gauge: GaugeGuard,
 }
 
 struct Connection {
-    events: mpsc::Sender<Event>,
+    /// Unbounded: what it holds is bounded by `receive_gate`.
+    events: mpsc::UnboundedSender<Event>,
+    send_window: SendWindow,
+    receive_gate: ReceiveGate,
     _gauge: GaugeGuard,
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        // A frontend waiting for credit must learn the connection is gone.
+        self.send_window.close();
+    }
 }
 
 struct Session {
@@ -91,9 +104,11 @@ impl Session {
                 dial_id,
                 address,
                 events,
+                send_window,
+                receive_gate,
             } => {
                 if self.pending.contains_key(&dial_id) {
-                    let _ = events.try_send(Event::Dialed(Err(format!(
+                    let _ = events.send(Event::Dialed(Err(format!(
                         "dial id {dial_id} is already pending on this agent"
                     ))));
                     return Ok(());
@@ -102,6 +117,8 @@ impl Session {
                     dial_id,
                     PendingDial {
                         events,
+                        send_window,
+                        receive_gate,
                         started: Instant::now(),
                         _gauge: GaugeGuard::new(&self.metrics.pending_backend_dials),
                     },
@@ -141,21 +158,18 @@ impl Session {
         };
         self.metrics.packet(Segment::FromAgent, frame.kind());
         match frame {
-            Frame::Data { connect_id, data } => match self.connections.get(&connect_id) {
-                Some(connection) => {
-                    if connection.events.send(Event::Data(data)).await.is_err() {
-                        self.connections.remove(&connect_id);
-                        self.close_on_agent(connect_id).await?;
-                    }
-                }
-                None if self.closing.contains(&connect_id) => {}
-                None => self.close_on_agent(connect_id).await?,
-            },
+            Frame::Data { connect_id, data } => self.on_data(connect_id, data).await?,
             Frame::DialResponse { dial_id, result } => self.on_dial_response(dial_id, result).await?,
             Frame::CloseResponse { connect_id, error } => {
                 self.closing.remove(&connect_id);
                 if let Some(connection) = self.connections.remove(&connect_id) {
-                    let _ = connection.events.send(Event::Closed(error)).await;
+                    let _ = connection.events.send(Event::Closed(error));
+                }
+            }
+            Frame::WindowUpdate { connect_id, bytes } => {
+                // Unknown ids are connections that just ended; nothing to do.
+                if let Some(connection) = self.connections.get(&connect_id) {
+                    connection.send_window.grant(bytes);
                 }
             }
             Frame::Drain => {
@@ -189,11 +203,13 @@ impl Session {
                 self.metrics
                     .dial_duration
                     .observe(pending.started.elapsed().as_secs_f64());
-                if pending.events.send(Event::Dialed(Ok(connect_id))).await.is_ok() {
+                if pending.events.send(Event::Dialed(Ok(connect_id))).is_ok() {
                     self.connections.insert(
                         connect_id,
                         Connection {
                             events: pending.events,
+                            send_window: pending.send_window,
+                            receive_gate: pending.receive_gate,
                             _gauge: GaugeGuard::new(&self.metrics.established_connections),
                         },
                     );
@@ -204,10 +220,36 @@ impl Session {
             }
             Err(error) => {
                 self.metrics.dial_failed(DialFailure::Endpoint);
-                let _ = pending.events.send(Event::Dialed(Err(error))).await;
+                let _ = pending.events.send(Event::Dialed(Err(error)));
             }
         }
         Ok(())
+    }
+
+    /// Hands DATA to its connection's frontend. With flow control this never
+    /// waits; with an upstream agent it waits for a full connection's
+    /// frontend, as upstream's server does.
+    async fn on_data(&mut self, connect_id: ConnectId, data: bytes::Bytes) -> Result<(), BackendGone> {
+        let Some(connection) = self.connections.get(&connect_id) else {
+            if !self.closing.contains(&connect_id) {
+                self.close_on_agent(connect_id).await?;
+            }
+            return Ok(());
+        };
+        let admitted = connection.receive_gate.admit(data.len()).await;
+        let failure = match admitted {
+            Ok(()) if connection.events.send(Event::Data(data)).is_ok() => return Ok(()),
+            Ok(()) | Err(Refused::Closed) => None,
+            Err(overrun @ Refused::Overrun) => {
+                tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, error = %overrun, "closing connection");
+                self.metrics.stream_errors.inc();
+                Some(overrun.to_string())
+            }
+        };
+        if let Some(connection) = self.connections.remove(&connect_id) {
+            let _ = connection.events.send(Event::Closed(failure));
+        }
+        self.close_on_agent(connect_id).await
     }
 
     async fn close_on_agent(&mut self, connect_id: ConnectId) -> Result<(), BackendGone> {

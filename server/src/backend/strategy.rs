@@ -91,6 +91,7 @@ mod tests {
             format!("agent-{id}"),
             AgentIdentifiers::parse(identifiers).unwrap(),
             false,
+            false,
             outbound,
             commands,
             Arc::new(crate::metrics::ServerMetrics::default()),
