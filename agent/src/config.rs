@@ -63,7 +63,7 @@ pub struct Args {
     pub sync_interval_cap: Duration,
     /// Packets buffered per connection towards its endpoint (upstream's knob; not
     /// applied: this version buffers up to the per-connection flow-control window,
-    /// 1 MiB, instead).
+    /// 2 MiB, instead).
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
     /// Bind address of the admin listener.

@@ -111,9 +111,18 @@ pub async fn run(
     };
     tracing::info!(agent_id = %config.agent_id, server = %target.address(), "proxy-agent started");
 
-    let egress = serve_servers(target, settings, metrics.clone(), drain, &config);
+    // On a worker thread of its own rather than in the caller's block_on:
+    // every packet wakes this task, and workers wake each other cheaply.
+    let backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
+    let mut egress = AbortOnDrop(tokio::spawn(serve_servers(
+        target,
+        settings,
+        metrics.clone(),
+        drain,
+        backoff,
+    )));
     let (Some(node), Some(readiness)) = (&config.node, node_readiness) else {
-        egress.await;
+        let _ = (&mut egress.0).await;
         return Ok(());
     };
     let node_tls = tls::client_config(config.ca_cert.as_ref(), Some(&node.identity), &[b"h2"])?;
@@ -130,7 +139,7 @@ pub async fn run(
     };
     tokio::select! {
         result = capture::run(node_settings, metrics, readiness) => result.map_err(AgentError::from),
-        () = egress => Ok(()),
+        _ = &mut egress.0 => Ok(()),
     }
 }
 
@@ -141,9 +150,8 @@ async fn serve_servers(
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     drain: watch::Receiver<bool>,
-    config: &Config,
+    mut backoff: Backoff,
 ) {
-    let mut backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
     loop {
         match target.connect().await {
             Ok(stream) => {

@@ -4,6 +4,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use clap::Parser;
 use konnectivity_agent::config::{AgentCommand, Args, Config};
 
+/// mimalloc keeps freed memory for reuse: with the system allocator every
+/// encoded 64 KiB packet cost fresh pages (page faults and unmaps were 5% of
+/// the CPU time of a bulk transfer).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if let Some(AgentCommand::InstallCni(install)) = &args.command {

@@ -91,7 +91,8 @@ impl ServerTarget {
             })?
             .connect_timeout(CONNECT_TIMEOUT)
             .initial_stream_window_size(Some(8 * 1024 * 1024))
-            .initial_connection_window_size(Some(16 * 1024 * 1024));
+            .initial_connection_window_size(Some(16 * 1024 * 1024))
+            .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE));
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let host = host.clone();

@@ -61,6 +61,15 @@ pub struct RunArgs {
     /// Idle tunneled connections held for the memory measurement.
     #[arg(long, default_value_t = 10_000)]
     pub idle: usize,
+    /// Only these measurements (one, eight, rtt, setup, memory, stall); all by default.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+}
+
+impl RunArgs {
+    fn wants(&self, measurement: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|m| m == measurement)
+    }
 }
 
 pub fn main(cli: Cli) -> anyhow::Result<()> {
@@ -124,25 +133,38 @@ async fn measure(
     let mut figures = Figures::default();
     for run in 0..args.runs {
         eprintln!("   run {} of {}", run + 1, args.runs);
-        figures
-            .one_stream
-            .push(throughput_one(route, targets, args.bytes).await?);
-        figures
-            .eight_streams
-            .push(throughput_parallel(route, targets, args.bytes, 8).await?);
-        let mut samples = round_trips(route, targets, 1024, args.round_trips).await?;
-        figures.rtt_p50.push(percentile(&mut samples, 0.50));
-        figures.rtt_p99.push(percentile(&mut samples, 0.99));
-        let (rate, mut latencies) = setups(route, targets, args.setups, 16).await?;
-        figures.setups_per_second.push(rate);
-        figures.dial_p50.push(percentile(&mut latencies, 0.50));
+        if args.wants("one") {
+            figures
+                .one_stream
+                .push(throughput_one(route, targets, args.bytes).await?);
+        }
+        if args.wants("eight") {
+            let rate = throughput_parallel(route, targets, args.bytes, 8).await?;
+            figures.eight_streams.push(rate);
+        }
+        if args.wants("rtt") {
+            let mut samples = round_trips(route, targets, 1024, args.round_trips).await?;
+            figures.rtt_p50.push(percentile(&mut samples, 0.50));
+            figures.rtt_p99.push(percentile(&mut samples, 0.99));
+        }
+        if args.wants("setup") {
+            let (rate, mut latencies) = setups(route, targets, args.setups, 16).await?;
+            figures.setups_per_second.push(rate);
+            figures.dial_p50.push(percentile(&mut latencies, 0.50));
+        }
     }
-    if let Some(stack) = stack {
+    let Some(stack) = stack else {
+        return Ok(figures);
+    };
+    if args.wants("memory") {
         eprintln!("   {} idle connections", args.idle);
-        figures.memory_per_connection = Some(memory_per_connection(stack, route, targets, args.idle).await?);
+        let per_connection = memory_per_connection(stack, route, targets, args.idle).await?;
+        figures.memory_per_connection = Some(per_connection);
+    }
+    if args.wants("stall") {
         eprintln!("   beside a stalled reader and a stalled writer");
-        figures.beside_stalled =
-            Some(beside_stalled(route, targets, args.bytes / 4, Duration::from_secs(20)).await?);
+        let limit = Duration::from_secs(20);
+        figures.beside_stalled = Some(beside_stalled(route, targets, args.bytes / 4, limit).await?);
     }
     Ok(figures)
 }

@@ -55,6 +55,7 @@ fn endpoint() -> Endpoint {
     Endpoint::from_static("http://konnectivity")
         .initial_stream_window_size(Some(4 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
+        .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
 }
 
 impl Tunnel {

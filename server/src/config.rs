@@ -95,7 +95,7 @@ pub struct Args {
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub backend_dial_timeout: Duration,
     /// Packets buffered per connection (upstream's knob; not applied: this version
-    /// buffers up to the per-connection flow-control window, 1 MiB, instead).
+    /// buffers up to the per-connection flow-control window, 2 MiB, instead).
     #[arg(long, default_value_t = 10)]
     pub xfr_channel_size: usize,
     /// Buffered packets per HTTP CONNECT frontend (upstream's knob; not applied, as

@@ -78,6 +78,7 @@ fn grpc_frontend(dialer: Dialer) -> tonic::transport::server::Router {
     tonic::transport::Server::builder()
         .initial_stream_window_size(Some(4 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
+        .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
         .add_service(ProxyServiceServer::new(ProxyServer::new(dialer)))
 }
 
@@ -114,6 +115,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         // Many tunneled connections share one agent stream: give it room.
         .initial_stream_window_size(Some(8 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
+        .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
         .add_service(AgentServiceServer::new(agent_service))
         .serve_with_incoming(agent_streams);
 

@@ -1,6 +1,12 @@
 use clap::Parser;
 use konnectivity_server::config::{Args, Config};
 
+/// mimalloc keeps freed memory for reuse: with the system allocator every
+/// encoded 64 KiB packet cost fresh pages (page faults and unmaps were 5% of
+/// the CPU time of a bulk transfer).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = match Config::from_args(&args) {
