@@ -12,6 +12,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_transport(false)
         // Payloads stay reference-counted from decode to socket write.
         .bytes(".")
+        // Small per-stream buffers (see src/codec.rs).
+        .codec_path("crate::codec::LeanCodec")
         .compile_fds(descriptors)?;
     Ok(())
 }

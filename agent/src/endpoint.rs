@@ -97,18 +97,17 @@ impl StreamHandle {
 /// closes; then reports the close so the session answers with CLOSE_RSP.
 pub async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream: StreamHandle) {
     let connect_id = stream.connect_id;
-    let mut buf = BytesMut::new();
     let error = loop {
-        // Wait for bytes before taking a buffer, so an idle connection holds
-        // no 64 KiB of memory.
+        // Wait for bytes before taking a buffer, and take a fresh one each
+        // time: an idle connection then holds no memory at all.
         if let Err(error) = read.readable().await {
             break Some(error.to_string());
         }
-        buf.reserve(DATA_CHUNK);
+        let mut buf = BytesMut::with_capacity(DATA_CHUNK);
         match read.try_read_buf(&mut buf) {
             Ok(0) => break None,
             Ok(_) => {
-                let data = buf.split().freeze();
+                let data = buf.freeze();
                 if window.reserve(data.len()).await.is_err() {
                     return;
                 }

@@ -98,25 +98,36 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         work: args.work.clone(),
     };
     let (_targets_proc, targets) = stack::start_targets(&layout)?;
+    // Memory first, each on a server and agent of its own that have carried
+    // nothing else: resident memory depends on what a process did before.
+    let mut memory = Vec::new();
+    if args.wants("memory") {
+        for mode in [Mode::Grpc, Mode::HttpConnect] {
+            let stack = Stack::start(&layout, mode).await?;
+            let route = Route::for_stack(&stack).await?;
+            eprintln!("== {}: {} idle connections", route.name(), args.idle);
+            let per_connection = scenarios::memory_per_connection(&stack, &route, &targets, args.idle)
+                .await
+                .with_context(|| format!("measuring memory of {}", route.name()))?;
+            memory.push(per_connection);
+        }
+    }
     let grpc = Stack::start(&layout, Mode::Grpc).await?;
     let connect = Stack::start(&layout, Mode::HttpConnect).await?;
-    let tunnel = konnectivity_client::Tunnel::connect_uds(&grpc.uds).await?;
     let routes = [
         (Route::Direct, None),
-        (Route::Grpc { tunnel }, Some(&grpc)),
-        (
-            Route::HttpConnect {
-                uds: connect.uds.clone(),
-            },
-            Some(&connect),
-        ),
+        (Route::for_stack(&grpc).await?, Some(&grpc)),
+        (Route::for_stack(&connect).await?, Some(&connect)),
     ];
     let mut table = Table::default();
-    for (route, stack) in &routes {
+    for (index, (route, stack)) in routes.iter().enumerate() {
         eprintln!("== {}", route.name());
-        let figures = measure(&args, route, *stack, &targets)
+        let mut figures = measure(&args, route, stack.is_some(), &targets)
             .await
             .with_context(|| format!("measuring {}", route.name()))?;
+        if index > 0 {
+            figures.memory_per_connection = memory.get(index - 1).copied();
+        }
         table.add(route.name(), figures);
     }
     println!("{}", table.render(&args));
@@ -126,7 +137,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 async fn measure(
     args: &RunArgs,
     route: &Route,
-    stack: Option<&Stack>,
+    tunneled: bool,
     targets: &Targets,
 ) -> anyhow::Result<Figures> {
     use scenarios::*;
@@ -153,13 +164,8 @@ async fn measure(
             figures.dial_p50.push(percentile(&mut latencies, 0.50));
         }
     }
-    let Some(stack) = stack else {
+    if !tunneled {
         return Ok(figures);
-    };
-    if args.wants("memory") {
-        eprintln!("   {} idle connections", args.idle);
-        let per_connection = memory_per_connection(stack, route, targets, args.idle).await?;
-        figures.memory_per_connection = Some(per_connection);
     }
     if args.wants("stall") {
         eprintln!("   beside a stalled reader and a stalled writer");

@@ -9,6 +9,8 @@ use konnectivity_client::Tunnel;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 
+use crate::stack::{Mode, Stack};
+
 /// A connection to a target, whichever way it was made.
 pub trait Conn: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Conn for T {}
@@ -34,6 +36,18 @@ impl Route {
             Route::HttpConnect { .. } => "connect",
             Route::Grpc { .. } => "grpc",
         }
+    }
+
+    /// The tunneled route through `stack`'s frontend.
+    pub async fn for_stack(stack: &Stack) -> anyhow::Result<Route> {
+        Ok(match stack.mode {
+            Mode::Grpc => Route::Grpc {
+                tunnel: Tunnel::connect_uds(&stack.uds).await?,
+            },
+            Mode::HttpConnect => Route::HttpConnect {
+                uds: stack.uds.clone(),
+            },
+        })
     }
 
     /// Opens a connection to `target`; it is usable when this returns (for

@@ -165,7 +165,17 @@ pub async fn memory_per_connection(
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = stack.resident_bytes()?;
     drop(held);
-    Ok(after.saturating_sub(before) as f64 / count as f64)
+    let per_connection = |after: u64, before: u64| after.saturating_sub(before) as f64 / count as f64;
+    let (server, agent) = (
+        per_connection(after.0, before.0),
+        per_connection(after.1, before.1),
+    );
+    eprintln!(
+        "   per idle connection: server {:.1} KiB, agent {:.1} KiB",
+        server / 1024.0,
+        agent / 1024.0
+    );
+    Ok(server + agent)
 }
 
 /// What the other connection achieved while one on the same agent stream

@@ -170,9 +170,9 @@ impl Stack {
         })
     }
 
-    /// Resident memory of server and agent together.
-    pub fn resident_bytes(&self) -> anyhow::Result<u64> {
-        Ok(self.server.resident_bytes()? + self.agent.resident_bytes()?)
+    /// Resident memory of server and agent.
+    pub fn resident_bytes(&self) -> anyhow::Result<(u64, u64)> {
+        Ok((self.server.resident_bytes()?, self.agent.resident_bytes()?))
     }
 }
 

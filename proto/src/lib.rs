@@ -6,6 +6,7 @@
 
 #![allow(clippy::large_enum_variant)]
 
+pub mod codec;
 pub mod flow;
 mod frame;
 mod identifiers;
