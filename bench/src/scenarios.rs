@@ -97,6 +97,30 @@ pub async fn round_trips(
     Ok(samples)
 }
 
+/// Runs `count` jobs, `concurrency` at a time, and collects their results.
+async fn concurrently<T, F, Fut>(count: usize, concurrency: usize, job: F) -> anyhow::Result<Vec<T>>
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = anyhow::Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..count {
+        let permit = permits.clone().acquire_owned().await?;
+        let run = job();
+        tasks.spawn(async move {
+            let _permit = permit;
+            run.await
+        });
+    }
+    let mut results = Vec::with_capacity(count);
+    while let Some(done) = tasks.join_next().await {
+        results.push(done??);
+    }
+    Ok(results)
+}
+
 /// Connection set-up: `total` connections opened (the tunnel's dial
 /// included) and closed, `concurrency` at a time. Returns connections per
 /// second and each open's latency.
@@ -106,26 +130,18 @@ pub async fn setups(
     total: usize,
     concurrency: usize,
 ) -> anyhow::Result<(f64, Vec<Duration>)> {
-    let permits = Arc::new(Semaphore::new(concurrency));
     let started = Instant::now();
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..total {
-        let permit = permits.clone().acquire_owned().await?;
-        let route = route.clone();
-        let echo = targets.echo;
-        tasks.spawn(async move {
-            let _permit = permit;
+    let latencies = concurrently(total, concurrency, || {
+        let (route, echo) = (route.clone(), targets.echo);
+        async move {
             let opened = Instant::now();
             let conn = route.open(echo).await?;
             let latency = opened.elapsed();
             drop(conn);
-            anyhow::Ok(latency)
-        });
-    }
-    let mut latencies = Vec::with_capacity(total);
-    while let Some(done) = tasks.join_next().await {
-        latencies.push(done??);
-    }
+            Ok(latency)
+        }
+    })
+    .await?;
     Ok((total as f64 / started.elapsed().as_secs_f64(), latencies))
 }
 
@@ -141,21 +157,11 @@ pub async fn memory_per_connection(
     drop(setups(route, targets, 200, 16).await?);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = stack.resident_bytes()?;
-    let mut held = Vec::with_capacity(count);
-    let permits = Arc::new(Semaphore::new(64));
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..count {
-        let permit = permits.clone().acquire_owned().await?;
-        let route = route.clone();
-        let echo = targets.echo;
-        tasks.spawn(async move {
-            let _permit = permit;
-            route.open(echo).await
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        held.push(done??);
-    }
+    let mut held = concurrently(count, 64, || {
+        let (route, echo) = (route.clone(), targets.echo);
+        async move { route.open(echo).await }
+    })
+    .await?;
     // Prove they are live end to end, then let the processes settle.
     for conn in held.iter_mut().step_by(count / 10 + 1) {
         conn.write_all(b"x").await?;
