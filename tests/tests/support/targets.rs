@@ -28,7 +28,14 @@ where
     F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    serve_on(TcpListener::bind("127.0.0.1:0").await.unwrap(), handler)
+}
+
+fn serve_on<F, Fut>(listener: TcpListener, handler: F) -> Target
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let addr = listener.local_addr().unwrap();
     let task = tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
@@ -66,7 +73,12 @@ pub async fn http(body: &'static str) -> Target {
 /// - `G` get: the target sends `len` bytes of [`Pattern`];
 /// - `E` echo: the target echoes everything until the client closes.
 pub async fn blob() -> Target {
-    serve(|mut stream| async move {
+    blob_on(TcpListener::bind("127.0.0.1:0").await.unwrap()).await
+}
+
+/// [`blob`] on a listener of the caller's choosing.
+pub async fn blob_on(listener: TcpListener) -> Target {
+    serve_on(listener, |mut stream| async move {
         let mut header = [0u8; 17];
         while stream.read_exact(&mut header).await.is_ok() {
             let len = u64::from_le_bytes(header[1..9].try_into().unwrap());
@@ -104,7 +116,6 @@ pub async fn blob() -> Target {
             }
         }
     })
-    .await
 }
 
 /// `len` pattern bytes for `seed`, produced in CHUNK-sized pieces (the

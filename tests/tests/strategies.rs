@@ -1,0 +1,145 @@
+//! `--proxy-strategies` with several agents, end to end: which agent a dial
+//! reaches is read off each agent's own dial counter. Targets listen on
+//! distinct loopback addresses so that each agent's identifiers can name one.
+
+mod support;
+
+use support::TempDir;
+use support::certs::Pki;
+use support::connect::via_uds;
+use support::procs::{Agent, Server};
+use support::scrape::metric;
+use support::targets::{self, Target};
+use tokio::net::TcpListener;
+
+const DIALS: &str = "konnectivity_network_proxy_agent_dial_duration_seconds_count";
+
+/// A blob target on `ip` (any 127.0.0.0/8 address is loopback).
+async fn target_on(ip: &str) -> (Target, String) {
+    let target = targets::blob_on(TcpListener::bind((ip, 0)).await.unwrap()).await;
+    let address = target.addr.to_string();
+    (target, address)
+}
+
+struct Fleet {
+    _dir: TempDir,
+    server: Server,
+    /// (name, health port), in start order.
+    agents: Vec<(&'static str, Agent)>,
+}
+
+impl Fleet {
+    async fn start(strategies: &str, agents: &[(&'static str, &str)]) -> Fleet {
+        let dir = TempDir::new("konn-strategies");
+        let pki = Pki::new(dir.path());
+        let server = Server::start(
+            dir.path(),
+            &pki,
+            "http-connect",
+            true,
+            &[format!("--proxy-strategies={strategies}")],
+        )
+        .await;
+        let agents: Vec<_> = agents
+            .iter()
+            .map(|(name, identifiers)| {
+                let extra = [format!("--agent-identifiers={identifiers}")];
+                (
+                    *name,
+                    Agent::start(dir.path(), &pki, server.agent_port, name, &extra),
+                )
+            })
+            .collect();
+        server.wait_backends(agents.len() as u32).await;
+        Fleet {
+            _dir: dir,
+            server,
+            agents,
+        }
+    }
+
+    async fn dial_counts(&self) -> Vec<f64> {
+        let mut counts = Vec::new();
+        for (_, agent) in &self.agents {
+            counts.push(metric(agent.health_port, DIALS).await.unwrap_or(0.0));
+        }
+        counts
+    }
+
+    /// Dials `address` through the CONNECT frontend, moves bytes, and names
+    /// the agent whose dial counter moved.
+    async fn served_by(&self, address: &str) -> &'static str {
+        let before = self.dial_counts().await;
+        let mut tunnel = via_uds(self.server.uds_path(), address)
+            .await
+            .unwrap()
+            .unwrap_or_else(|refused| panic!("CONNECT {address} refused: {refused:?}"));
+        let (sent, received) = targets::push(&mut tunnel, 4096, 1).await.unwrap();
+        assert_eq!(sent, received);
+        let after = self.dial_counts().await;
+        let moved: Vec<_> = self
+            .agents
+            .iter()
+            .zip(before.iter().zip(&after))
+            .filter(|(_, (b, a))| a > b)
+            .map(|((name, _), _)| *name)
+            .collect();
+        assert_eq!(moved.len(), 1, "exactly one agent dials {address}: {moved:?}");
+        moved[0]
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dest_host_picks_the_named_agent_and_default_route_catches_the_rest() {
+    let fleet = Fleet::start(
+        "destHost,defaultRoute",
+        &[
+            ("agent-a", "ipv4=127.0.0.5&host=node-a"),
+            ("agent-b", "ipv4=127.0.0.6"),
+            ("agent-v6", "ipv6=::1"),
+            ("agent-gw", "default-route=true"),
+        ],
+    )
+    .await;
+    let (_a, a) = target_on("127.0.0.5").await;
+    let (_b, b) = target_on("127.0.0.6").await;
+    // CONNECT writes IPv6 hosts in brackets; the identifier has none.
+    let (_v6, v6) = target_on("::1").await;
+    assert!(v6.starts_with("[::1]:"), "{v6}");
+    let (_other, other) = target_on("127.0.0.7").await;
+    for _ in 0..5 {
+        assert_eq!(fleet.served_by(&a).await, "agent-a");
+        assert_eq!(fleet.served_by(&b).await, "agent-b");
+        assert_eq!(fleet.served_by(&v6).await, "agent-v6");
+        // No agent names 127.0.0.7: destHost hands over to defaultRoute.
+        assert_eq!(fleet.served_by(&other).await, "agent-gw");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dest_host_alone_refuses_a_host_no_agent_names() {
+    let fleet = Fleet::start("destHost", &[("agent-a", "ipv4=127.0.0.5")]).await;
+    let (_a, a) = target_on("127.0.0.5").await;
+    let (_other, other) = target_on("127.0.0.7").await;
+    assert_eq!(fleet.served_by(&a).await, "agent-a");
+    let refused = via_uds(fleet.server.uds_path(), &other)
+        .await
+        .unwrap()
+        .expect_err("no strategy admits an agent for 127.0.0.7");
+    assert_eq!(refused.status, 500, "{refused:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_order_of_strategies_decides_default_route_first_then_dest_host() {
+    // defaultRoute first: while a default-route agent exists, it takes
+    // every dial, even one that destHost would send elsewhere.
+    let fleet = Fleet::start(
+        "defaultRoute,destHost",
+        &[("agent-a", "ipv4=127.0.0.5"), ("agent-gw", "default-route=true")],
+    )
+    .await;
+    let (_a, a) = target_on("127.0.0.5").await;
+    for _ in 0..3 {
+        assert_eq!(fleet.served_by(&a).await, "agent-gw");
+    }
+}
