@@ -19,13 +19,17 @@ impl Endpoints for ServerEndpoints {
         match path {
             "/healthz" => Reply::text(StatusCode::OK, "ok"),
             // Upstream answers "not ready" with 500.
-            "/readyz" | "/ready" => match self.registry.len() {
-                0 => Reply::text(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "not ready: no agent is connected\n",
-                ),
-                n => Reply::text(StatusCode::OK, format!("ok: {n} agent stream(s) connected\n")),
-            },
+            "/readyz" | "/ready" => {
+                let readiness = self.registry.readiness();
+                if readiness.is_ready() {
+                    Reply::text(StatusCode::OK, format!("ok: {readiness}\n"))
+                } else {
+                    Reply::text(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("not ready: no strategy has an agent to choose ({readiness})\n"),
+                    )
+                }
+            }
             "/metrics" => metrics::reply(&self.metrics.registry, &self.metrics.alive_tasks),
             _ => Reply::not_found(),
         }

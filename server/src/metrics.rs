@@ -67,7 +67,10 @@ pub struct ServerMetrics {
     pub established_connections: Gauge,
     pub pending_backend_dials: Gauge,
     pub http_connections: Gauge,
-    pub ready_backends: Gauge,
+    /// Agent streams connected (upstream's `ready_backend_connections`).
+    pub ready_backend_connections: Gauge,
+    /// Agents each configured strategy can choose (`ready_backends{proxy_strategy}`).
+    ready_backends: Family<Labels, Gauge>,
     pub dial_duration: Histogram,
     pub stream_errors: Counter,
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
@@ -107,7 +110,8 @@ impl Default for ServerMetrics {
             established_connections: Gauge::default(),
             pending_backend_dials: Gauge::default(),
             http_connections: Gauge::default(),
-            ready_backends: Gauge::default(),
+            ready_backend_connections: Gauge::default(),
+            ready_backends: Family::default(),
             dial_duration: Histogram::new(LATENCY_BUCKETS),
             stream_errors: Counter::default(),
             alive_tasks: Gauge::default(),
@@ -144,8 +148,13 @@ impl Default for ServerMetrics {
             metrics.http_connections.clone(),
         );
         registry.register(
+            "ready_backend_connections",
+            "Number of konnectivity agent streams connected to this server",
+            metrics.ready_backend_connections.clone(),
+        );
+        registry.register(
             "ready_backends",
-            "Number of agent streams connected to this server",
+            "Number of agents each proxy strategy can choose",
             metrics.ready_backends.clone(),
         );
         registry.register(
@@ -197,6 +206,13 @@ impl ServerMetrics {
         self.grpc_connections
             .get_or_create(&vec![("service_method", service_method)])
             .clone()
+    }
+
+    /// Sets the number of agents `strategy` (its flag name) can choose.
+    pub fn set_ready_backends(&self, strategy: &'static str, count: usize) {
+        self.ready_backends
+            .get_or_create(&vec![("proxy_strategy", strategy)])
+            .set(count as i64);
     }
 
     pub fn packet(&self, segment: Segment, kind: PacketType) {

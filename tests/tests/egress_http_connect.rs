@@ -283,7 +283,7 @@ async fn agent_streams_without_agentid_are_refused() {
     assert_eq!(
         metric(
             server.health_port,
-            "konnectivity_network_proxy_server_ready_backends"
+            "konnectivity_network_proxy_server_ready_backend_connections"
         )
         .await,
         Some(0.0)

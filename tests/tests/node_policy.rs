@@ -187,7 +187,7 @@ async fn an_agent_claiming_a_control_plane_id_with_another_certificate_is_refuse
     assert_eq!(
         metric(
             setup.server.health_port,
-            "konnectivity_network_proxy_server_ready_backends"
+            "konnectivity_network_proxy_server_ready_backend_connections"
         )
         .await,
         Some(2.0)

@@ -107,6 +107,19 @@ async fn dest_host_picks_the_named_agent_and_default_route_catches_the_rest() {
     let (_v6, v6) = target_on("::1").await;
     assert!(v6.starts_with("[::1]:"), "{v6}");
     let (_other, other) = target_on("127.0.0.7").await;
+    let port = fleet.server.health_port;
+    let server_metric = |series: &'static str| async move {
+        metric(port, &format!("konnectivity_network_proxy_server_{series}")).await
+    };
+    assert_eq!(server_metric("ready_backend_connections").await, Some(4.0));
+    assert_eq!(
+        server_metric(r#"ready_backends{proxy_strategy="destHost"}"#).await,
+        Some(3.0)
+    );
+    assert_eq!(
+        server_metric(r#"ready_backends{proxy_strategy="defaultRoute"}"#).await,
+        Some(1.0)
+    );
     for _ in 0..5 {
         assert_eq!(fleet.served_by(&a).await, "agent-a");
         assert_eq!(fleet.served_by(&b).await, "agent-b");
@@ -142,4 +155,29 @@ async fn the_order_of_strategies_decides_default_route_first_then_dest_host() {
     for _ in 0..3 {
         assert_eq!(fleet.served_by(&a).await, "agent-gw");
     }
+}
+
+async fn readyz(fleet: &Fleet) -> (u16, String) {
+    support::scrape::http_get(fleet.server.health_port, "/readyz")
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_counts_every_configured_strategy_not_only_the_first() {
+    // Upstream reads only the first strategy: destHost has no agent here, so
+    // it would report not ready although `default` serves every dial.
+    let fleet = Fleet::start("destHost,default", &[("plain", "")]).await;
+    let (status, body) = readyz(&fleet).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains("destHost: 0") && body.contains("default: 1"),
+        "{body}"
+    );
+
+    // With destHost alone, an agent without identifiers serves no dial.
+    let fleet = Fleet::start("destHost", &[("plain", "")]).await;
+    let (status, body) = readyz(&fleet).await;
+    assert_eq!(status, 500, "{body}");
+    assert!(body.contains("destHost: 0"), "{body}");
 }

@@ -8,6 +8,33 @@ use super::{Backend, BackendId};
 use crate::metrics::ServerMetrics;
 use crate::policy::FrontendClass;
 
+/// How many agents each configured strategy can choose, and how many
+/// control-plane agents serve node clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Readiness {
+    pub per_strategy: Vec<(Strategy, usize)>,
+    pub control_plane: usize,
+}
+
+impl Readiness {
+    /// Ready when some dial can be served: any configured strategy has an
+    /// agent (upstream looks at the first strategy only, so `destHost,default`
+    /// with plain agents reads not ready there), or a control-plane agent
+    /// serves node clients.
+    pub fn is_ready(&self) -> bool {
+        self.control_plane > 0 || self.per_strategy.iter().any(|(_, count)| *count > 0)
+    }
+}
+
+impl std::fmt::Display for Readiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (strategy, count) in &self.per_strategy {
+            write!(f, "{}: {count} agent(s); ", strategy.name())?;
+        }
+        write!(f, "control plane: {} agent(s)", self.control_plane)
+    }
+}
+
 pub struct Registry {
     backends: RwLock<Vec<Arc<Backend>>>,
     strategies: Vec<Strategy>,
@@ -16,23 +43,55 @@ pub struct Registry {
 
 impl Registry {
     pub fn new(strategies: Vec<Strategy>, metrics: Arc<ServerMetrics>) -> Self {
-        Registry {
+        let registry = Registry {
             backends: RwLock::new(Vec::new()),
             strategies,
             metrics,
-        }
+        };
+        // Every configured strategy shows up at 0 before the first agent.
+        registry.publish(&[]);
+        registry
     }
 
     pub fn add(&self, backend: Arc<Backend>) {
         let mut backends = self.backends.write().expect("registry lock poisoned");
         backends.push(backend);
-        self.metrics.ready_backends.set(backends.len() as i64);
+        self.publish(&backends);
     }
 
     pub fn remove(&self, id: BackendId) {
         let mut backends = self.backends.write().expect("registry lock poisoned");
         backends.retain(|b| b.id != id);
-        self.metrics.ready_backends.set(backends.len() as i64);
+        self.publish(&backends);
+    }
+
+    fn publish(&self, backends: &[Arc<Backend>]) {
+        self.metrics.ready_backend_connections.set(backends.len() as i64);
+        for (strategy, count) in self.readiness_of(backends).per_strategy {
+            self.metrics.set_ready_backends(strategy.name(), count);
+        }
+    }
+
+    /// What the server can serve now, for `/readyz`.
+    pub fn readiness(&self) -> Readiness {
+        self.readiness_of(&self.backends.read().expect("registry lock poisoned"))
+    }
+
+    fn readiness_of(&self, backends: &[Arc<Backend>]) -> Readiness {
+        let egress: Vec<&Arc<Backend>> = backends.iter().filter(|b| !b.control_plane).collect();
+        Readiness {
+            per_strategy: self
+                .strategies
+                .iter()
+                .map(|strategy| {
+                    (
+                        *strategy,
+                        egress.iter().filter(|b| strategy.can_choose(b)).count(),
+                    )
+                })
+                .collect(),
+            control_plane: backends.len() - egress.len(),
+        }
     }
 
     /// Chooses a backend for a dial to `host` from a frontend of `class`:

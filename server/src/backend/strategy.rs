@@ -27,6 +27,16 @@ impl Strategy {
         }
     }
 
+    /// Whether this strategy could choose `backend` for some dial.
+    pub fn can_choose(self, backend: &Backend) -> bool {
+        let ids = &backend.identifiers;
+        match self {
+            Strategy::Default => true,
+            Strategy::DestHost => !(ids.hosts.is_empty() && ids.ipv4.is_empty() && ids.ipv6.is_empty()),
+            Strategy::DefaultRoute => ids.default_route,
+        }
+    }
+
     fn admits(self, backend: &Backend, host: &str) -> bool {
         match self {
             Strategy::Default => true,

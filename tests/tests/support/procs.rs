@@ -203,7 +203,11 @@ impl Server {
     pub async fn wait_backends(&self, count: u32) {
         let port = self.health_port;
         wait_until(Duration::from_secs(15), "agents to connect", || async move {
-            super::scrape::metric(port, "konnectivity_network_proxy_server_ready_backends").await
+            super::scrape::metric(
+                port,
+                "konnectivity_network_proxy_server_ready_backend_connections",
+            )
+            .await
                 == Some(f64::from(count))
         })
         .await;
