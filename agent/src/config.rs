@@ -72,7 +72,9 @@ pub struct Args {
     /// Interval of readiness probes of each server connection (not applied yet).
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
     pub probe_interval: Duration,
-    /// Interval of HTTP/2 keepalive pings to the server (not applied yet).
+    /// Interval of HTTP/2 keepalive pings to the server, at least 30s (upstream servers
+    /// close connections pinged more often); a ping unanswered within 20s ends the
+    /// connection and the agent reconnects. 0 turns pings off.
     #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
     pub keepalive_time: Duration,
     /// ServiceAccount token file for token authentication (not applied yet).
@@ -215,8 +217,14 @@ pub struct Config {
     pub sync_interval_cap: Duration,
     pub health_addr: SocketAddr,
     pub dial_timeout: Duration,
+    /// `--keepalive-time`, raised to [`MIN_KEEPALIVE`]; `None` is off.
+    pub keepalive: Option<Duration>,
     pub node: Option<NodeConfig>,
 }
+
+/// Upstream servers allow a ping every 30s at most (gRPC keepalive
+/// enforcement) and close the connection of a client that pings faster.
+pub const MIN_KEEPALIVE: Duration = Duration::from_secs(30);
 
 /// The node role (enabled by `--capture`).
 #[derive(Clone, Debug)]
@@ -325,6 +333,7 @@ impl Config {
             sync_interval_cap: args.sync_interval_cap,
             health_addr: SocketAddr::new(health_ip, args.health_server_port),
             dial_timeout: args.dial_timeout,
+            keepalive: (!args.keepalive_time.is_zero()).then(|| args.keepalive_time.max(MIN_KEEPALIVE)),
             node,
         })
     }
@@ -383,7 +392,6 @@ impl Args {
             ("xfr-channel-size", self.xfr_channel_size != 150),
             ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
             ("probe-interval", self.probe_interval != Duration::from_secs(1)),
-            ("keepalive-time", self.keepalive_time != Duration::from_secs(3600)),
             (
                 "service-account-token-path",
                 !self.service_account_token_path.is_empty(),
@@ -410,5 +418,22 @@ impl Args {
         .collect();
         inert.extend(self.klog.inert_settings());
         inert
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keepalive(flag: &str) -> Option<Duration> {
+        let args = Args::try_parse_from(["proxy-agent", "--agent-id=a", flag]).unwrap();
+        Config::from_args(&args).unwrap().keepalive
+    }
+
+    #[test]
+    fn keepalive_is_raised_to_what_servers_allow_and_zero_turns_it_off() {
+        assert_eq!(keepalive("--keepalive-time=5s"), Some(MIN_KEEPALIVE));
+        assert_eq!(keepalive("--keepalive-time=2m"), Some(Duration::from_secs(120)));
+        assert_eq!(keepalive("--keepalive-time=0s"), None);
     }
 }

@@ -104,6 +104,7 @@ pub async fn run(
         agent_id: config.agent_id.clone(),
         identifiers: config.identifiers.clone(),
         mark: config.node.as_ref().map(|node| node.mark),
+        keepalive: config.keepalive,
     };
     let settings = SessionSettings {
         dial_timeout: config.dial_timeout,

@@ -30,6 +30,13 @@ fn main() -> anyhow::Result<()> {
     args.klog.init_logging()?;
     tracing::info!(?config, "effective configuration");
     konnectivity_plumbing::klog::warn_inert(&args.inert_settings());
+    if !args.keepalive_time.is_zero() && args.keepalive_time < konnectivity_agent::config::MIN_KEEPALIVE {
+        tracing::warn!(
+            requested = ?args.keepalive_time,
+            applied = ?konnectivity_agent::config::MIN_KEEPALIVE,
+            "--keepalive-time raised: servers refuse pings more often than every 30s"
+        );
+    }
 
     let captures = config.node.is_some();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

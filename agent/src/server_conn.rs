@@ -56,6 +56,9 @@ pub struct ServerTarget {
     pub identifiers: AgentIdentifiers,
     /// SO_MARK for the connection when the node role captures traffic.
     pub mark: Option<u32>,
+    /// HTTP/2 ping interval (`--keepalive-time`); an unanswered ping ends the
+    /// connection, so a half-dead server is left for a reconnect.
+    pub keepalive: Option<Duration>,
 }
 
 /// An open AgentService stream.
@@ -93,6 +96,14 @@ impl ServerTarget {
             .initial_stream_window_size(Some(8 * 1024 * 1024))
             .initial_connection_window_size(Some(16 * 1024 * 1024))
             .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE));
+        let endpoint = match self.keepalive {
+            // Pings even while no tunnel is open: the stream itself must stay alive.
+            Some(interval) => endpoint
+                .http2_keep_alive_interval(interval)
+                .keep_alive_timeout(konnectivity_plumbing::net::keepalive_timeout(interval))
+                .keep_alive_while_idle(true),
+            None => endpoint,
+        };
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let host = host.clone();

@@ -29,3 +29,9 @@ pub async fn connect_marked(host: &str, port: u16, mark: Option<u32>) -> io::Res
     }
     Err(last_error)
 }
+
+/// How long an HTTP/2 keepalive ping may go unanswered before the connection
+/// counts as dead: the ping interval, at most gRPC's default of 20s.
+pub fn keepalive_timeout(interval: std::time::Duration) -> std::time::Duration {
+    interval.min(std::time::Duration::from_secs(20))
+}

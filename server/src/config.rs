@@ -102,10 +102,12 @@ pub struct Args {
     /// --xfr-channel-size).
     #[arg(long, default_value_t = 10)]
     pub frontend_write_channel_size: usize,
-    /// Interval of HTTP/2 keepalive pings on agent connections (not applied yet).
+    /// Interval of HTTP/2 keepalive pings to agents; a ping unanswered within the
+    /// interval (at most 20s) ends the agent's connection. 0 turns pings off.
     #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
     pub keepalive_time: Duration,
-    /// Interval of HTTP/2 keepalive pings on frontend connections (not applied yet).
+    /// Interval of HTTP/2 keepalive pings on gRPC frontend connections (same rules as
+    /// --keepalive-time).
     #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
     pub frontend_keepalive_time: Duration,
     /// How long shutdown waits for open connections (not applied yet).
@@ -213,6 +215,10 @@ pub struct Config {
     pub strategies: Vec<Strategy>,
     pub health_addr: SocketAddr,
     pub backend_dial_timeout: Option<Duration>,
+    /// `--keepalive-time` (agent connections); `None` is off.
+    pub keepalive: Option<Duration>,
+    /// `--frontend-keepalive-time` (gRPC frontend connections); `None` is off.
+    pub frontend_keepalive: Option<Duration>,
     pub tls_versions: TlsVersions,
     pub node_frontend: Option<NodeFrontend>,
     /// Agent ids that are control-plane agents (bound to their certificates).
@@ -374,6 +380,9 @@ impl Config {
             strategies,
             health_addr: bind_address("health-bind-address", &args.health_bind_address, args.health_port)?,
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
+            keepalive: (!args.keepalive_time.is_zero()).then_some(args.keepalive_time),
+            frontend_keepalive: (!args.frontend_keepalive_time.is_zero())
+                .then_some(args.frontend_keepalive_time),
             tls_versions,
             node_frontend,
             control_plane_agent_ids,
@@ -439,11 +448,6 @@ impl Args {
                 self.frontend_write_channel_size != 10,
             ),
             ("xfr-channel-size", self.xfr_channel_size != 10),
-            ("keepalive-time", self.keepalive_time != Duration::from_secs(3600)),
-            (
-                "frontend-keepalive-time",
-                self.frontend_keepalive_time != Duration::from_secs(3600),
-            ),
             (
                 "graceful-shutdown-timeout",
                 !self.graceful_shutdown_timeout.is_zero(),

@@ -16,6 +16,7 @@ pub mod tunnel;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use konnectivity_plumbing::tls::{self, TlsError};
@@ -74,12 +75,21 @@ fn tls_incoming(
 
 /// The gRPC frontend's server: ProxyService only, with windows sized for
 /// bulk transfers on a single stream.
-fn grpc_frontend(dialer: Dialer) -> tonic::transport::server::Router {
-    tonic::transport::Server::builder()
+fn grpc_frontend(dialer: Dialer, keepalive: Option<Duration>) -> tonic::transport::server::Router {
+    grpc_server(keepalive)
         .initial_stream_window_size(Some(4 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
         .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
         .add_service(ProxyServiceServer::new(ProxyServer::new(dialer)))
+}
+
+/// A gRPC server that pings its clients every `keepalive` and drops a
+/// connection whose ping goes unanswered, so a half-dead peer (a frozen
+/// agent, a vanished node) is noticed and its streams end.
+fn grpc_server(keepalive: Option<Duration>) -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .http2_keepalive_interval(keepalive)
+        .http2_keepalive_timeout(keepalive.map(konnectivity_plumbing::net::keepalive_timeout))
 }
 
 /// Runs the server until `shutdown` resolves or a listener fails.
@@ -111,7 +121,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         config.control_plane_agent_ids.clone(),
     )
     .map_err(ServeError::Config)?;
-    let agent_server = tonic::transport::Server::builder()
+    let agent_server = grpc_server(config.keepalive)
         // Many tunneled connections share one agent stream: give it room.
         .initial_stream_window_size(Some(8 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
@@ -119,6 +129,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         .add_service(AgentServiceServer::new(agent_service))
         .serve_with_incoming(agent_streams);
 
+    let frontend_keepalive = config.frontend_keepalive;
     let dialer = Dialer {
         registry,
         metrics,
@@ -142,7 +153,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 ..dialer.clone()
             };
             Some(tokio::spawn(async move {
-                if let Err(error) = grpc_frontend(node_dialer).serve_with_incoming(incoming).await {
+                if let Err(error) = grpc_frontend(node_dialer, frontend_keepalive)
+                    .serve_with_incoming(incoming)
+                    .await
+                {
                     tracing::error!(%error, "node frontend failed");
                 }
             }))
@@ -190,7 +204,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         ) => {
             let listener = listen::bind_uds(path, *delete_existing)?;
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-            tokio::spawn(grpc_frontend(dialer).serve_with_incoming(incoming))
+            tokio::spawn(grpc_frontend(dialer, frontend_keepalive).serve_with_incoming(incoming))
         }
         (
             Mode::Grpc,
@@ -203,7 +217,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
             let tls = tls::server_config(identity, Some(client_ca), &[b"h2"], tls13_only)?;
             let incoming = tls_incoming(listener, tls, "frontend");
-            tokio::spawn(grpc_frontend(dialer).serve_with_incoming(incoming))
+            tokio::spawn(grpc_frontend(dialer, frontend_keepalive).serve_with_incoming(incoming))
         }
     };
     tracing::info!(
