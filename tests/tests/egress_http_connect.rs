@@ -409,3 +409,65 @@ async fn stalled_connections_do_not_stall_others_on_the_agent_stream() {
     held.abort();
     assert_gauges_return_to_zero(&setup).await;
 }
+
+/// `--backend-dial-timeout` bounds how long the server waits for DIAL_RSP,
+/// whatever the agent's own dial timeout: the client gets 504 naming the
+/// flag, the agent is told to give up (DIAL_CLS), and nothing stays pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backend_dial_timeout_answers_504_and_cancels_the_agents_dial() {
+    let dir = support::TempDir::new("konn-dial-timeout");
+    let pki = Pki::new(dir.path());
+    let server = Server::start(
+        dir.path(),
+        &pki,
+        "http-connect",
+        true,
+        &["--backend-dial-timeout=1s".into()],
+    )
+    .await;
+    let agent = Agent::start(
+        dir.path(),
+        &pki,
+        server.agent_port,
+        "agent-1",
+        &["--dial-timeout=30s".into()],
+    );
+    server.wait_backends(1).await;
+    let (_listener, _filler, addr) = unanswering_listener();
+
+    let started = Instant::now();
+    let refused = via_uds(server.uds_path(), &addr.to_string())
+        .await
+        .unwrap()
+        .expect_err("no DIAL_RSP within 1s");
+    let waited = started.elapsed();
+    assert_eq!(refused.status, 504, "{refused:?}");
+    assert!(refused.body.contains("--backend-dial-timeout"), "{refused:?}");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "answered after {waited:?}"
+    );
+    let port = server.health_port;
+    assert_eq!(
+        metric(
+            port,
+            r#"konnectivity_network_proxy_server_dial_failure_count{reason="timeout"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(port, "konnectivity_network_proxy_server_pending_backend_dials").await,
+        Some(0.0)
+    );
+    // The agent was told to abandon its dial, long before its own 30s.
+    assert_eq!(
+        metric(
+            port,
+            r#"konnectivity_network_proxy_server_stream_packets_total{segment="to_agent",packet_type="DIAL_CLS"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+    drop(agent);
+}
