@@ -110,7 +110,8 @@ pub struct Args {
     /// --keepalive-time).
     #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
     pub frontend_keepalive_time: Duration,
-    /// How long shutdown waits for open connections (not applied yet).
+    /// On SIGTERM, stop accepting and wait up to this long for open tunnels to end
+    /// before exiting (0: exit at once).
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub graceful_shutdown_timeout: Duration,
     /// Namespace of agents' ServiceAccount for token authentication (not applied yet).
@@ -219,6 +220,8 @@ pub struct Config {
     pub keepalive: Option<Duration>,
     /// `--frontend-keepalive-time` (gRPC frontend connections); `None` is off.
     pub frontend_keepalive: Option<Duration>,
+    /// `--graceful-shutdown-timeout`.
+    pub graceful_shutdown_timeout: Duration,
     pub tls_versions: TlsVersions,
     pub node_frontend: Option<NodeFrontend>,
     /// Agent ids that are control-plane agents (bound to their certificates).
@@ -383,6 +386,7 @@ impl Config {
             keepalive: (!args.keepalive_time.is_zero()).then_some(args.keepalive_time),
             frontend_keepalive: (!args.frontend_keepalive_time.is_zero())
                 .then_some(args.frontend_keepalive_time),
+            graceful_shutdown_timeout: args.graceful_shutdown_timeout,
             tls_versions,
             node_frontend,
             control_plane_agent_ids,
@@ -448,10 +452,6 @@ impl Args {
                 self.frontend_write_channel_size != 10,
             ),
             ("xfr-channel-size", self.xfr_channel_size != 10),
-            (
-                "graceful-shutdown-timeout",
-                !self.graceful_shutdown_timeout.is_zero(),
-            ),
             ("agent-namespace", !self.agent_namespace.is_empty()),
             ("agent-service-account", !self.agent_service_account.is_empty()),
             (

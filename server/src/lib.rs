@@ -95,6 +95,7 @@ fn grpc_server(keepalive: Option<Duration>) -> tonic::transport::Server {
 /// Runs the server until `shutdown` resolves or a listener fails.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
     let metrics = Arc::new(ServerMetrics::default());
+    let metrics_for_shutdown = metrics.clone();
     let registry = Arc::new(Registry::new(config.strategies.clone(), metrics.clone()));
 
     let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
@@ -228,21 +229,57 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         "proxy-server started"
     );
 
+    let mut shut_down = false;
     let result = tokio::select! {
-        () = shutdown => Ok(()),
+        () = shutdown => {
+            shut_down = true;
+            Ok(())
+        }
         result = agent_server => result.map_err(ServeError::AgentServer),
         result = &mut frontend_task => match result {
             Ok(result) => result.map_err(ServeError::FrontendServer),
             Err(join) => Err(ServeError::Config(format!("frontend task failed: {join}"))),
         },
     };
+    // Stop accepting: new clients are refused (the socket file goes), while
+    // the tunnels already open run on in their own tasks.
     frontend_task.abort();
-    if let Some(node_task) = node_task {
+    if let Some(node_task) = &node_task {
         node_task.abort();
     }
-    health_task.abort();
     if let FrontendListen::Uds { path, .. } = &config.frontend {
         let _ = std::fs::remove_file(path);
     }
+    if shut_down && !config.graceful_shutdown_timeout.is_zero() {
+        drain_tunnels(&metrics_for_shutdown, config.graceful_shutdown_timeout).await;
+    }
+    health_task.abort();
     result
+}
+
+/// Waits until no tunnel is open or being dialed, or `limit` passed; what
+/// is still open then is cut when the process exits.
+async fn drain_tunnels(metrics: &ServerMetrics, limit: Duration) {
+    let open = || {
+        metrics.established_connections.get()
+            + metrics.pending_backend_dials.get()
+            + metrics.http_connections.get()
+    };
+    let deadline = tokio::time::Instant::now() + limit;
+    tracing::info!(
+        open = open(),
+        ?limit,
+        "waiting for open tunnels to end (--graceful-shutdown-timeout)"
+    );
+    while open() > 0 {
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(
+                open = open(),
+                "graceful shutdown timeout reached; cutting open tunnels"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tracing::info!("all tunnels ended");
 }
