@@ -154,7 +154,7 @@ async fn serve_servers(
     mut backoff: Backoff,
 ) {
     loop {
-        match target.connect().await {
+        match target.connect(&metrics).await {
             Ok(stream) => {
                 backoff.reset();
                 tracing::info!(
@@ -163,6 +163,7 @@ async fn serve_servers(
                     flow_control = stream.flow_control,
                     "connected to proxy-server"
                 );
+                metrics.known_server_count.set(i64::from(stream.server_count));
                 let _open = GaugeGuard::new(&metrics.open_server_connections);
                 let reason = session::run(
                     stream.inbound,

@@ -1,7 +1,9 @@
 //! The agent's Prometheus metrics, under upstream's names
 //! (`konnectivity_network_proxy_agent_*`).
 
-use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels};
+pub use konnectivity_plumbing::metrics::Segment;
+use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters};
+use konnectivity_proto::PacketType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -31,6 +33,8 @@ pub enum CaptureOutcome {
 pub struct AgentMetrics {
     pub registry: Registry,
     pub open_server_connections: Gauge,
+    /// The `servercount` the last server announced.
+    pub known_server_count: Gauge,
     pub open_endpoint_connections: Gauge,
     pub dial_duration: Histogram,
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
@@ -39,12 +43,14 @@ pub struct AgentMetrics {
     pub captured_connections_open: Gauge,
     captured: Family<Labels, Counter>,
     dial_failures: Family<Labels, Counter>,
+    packets: PacketCounters,
 }
 
 impl Default for AgentMetrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("konnectivity_network_proxy_agent");
         let open_server_connections = Gauge::default();
+        let known_server_count = Gauge::default();
         let open_endpoint_connections = Gauge::default();
         let dial_duration = Histogram::new(LATENCY_BUCKETS);
         let dial_failures = Family::<Labels, Counter>::default();
@@ -72,6 +78,11 @@ impl Default for AgentMetrics {
             open_server_connections.clone(),
         );
         registry.register(
+            "known_server_count",
+            "Number of proxy-servers the agent should hold connections to",
+            known_server_count.clone(),
+        );
+        registry.register(
             "open_endpoint_connections",
             "Current number of open connections to endpoints",
             open_endpoint_connections.clone(),
@@ -88,9 +99,12 @@ impl Default for AgentMetrics {
             "Number of failed dials to endpoints, by reason",
             dial_failures.clone(),
         );
+        let packets = PacketCounters::register(&mut registry);
         AgentMetrics {
             registry,
+            packets,
             open_server_connections,
+            known_server_count,
             open_endpoint_connections,
             dial_duration,
             alive_tasks,
@@ -102,6 +116,11 @@ impl Default for AgentMetrics {
 }
 
 impl AgentMetrics {
+    /// Counts a packet sent (`FromAgent`) or received (`ToAgent`) on a server stream.
+    pub fn packet(&self, segment: Segment, kind: PacketType) {
+        self.packets.count(segment, kind);
+    }
+
     pub fn captured(&self, outcome: CaptureOutcome) {
         let outcome = match outcome {
             CaptureOutcome::Tunneled => "tunneled",

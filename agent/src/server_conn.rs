@@ -6,14 +6,17 @@ use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
-use konnectivity_proto::{AgentIdentifiers, Packet, flow};
+use konnectivity_proto::{AgentIdentifiers, Packet, PacketType, flow};
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::AsciiMetadataValue;
+
+use crate::metrics::{AgentMetrics, Segment};
 use tonic::transport::{Endpoint, Uri};
 use tonic::{Request, Streaming};
 
@@ -80,7 +83,8 @@ impl ServerTarget {
         }
     }
 
-    pub async fn connect(&self) -> Result<ServerStream, ConnectError> {
+    /// Opens a stream; `metrics` counts the packets the agent sends on it.
+    pub async fn connect(&self, metrics: &Arc<AgentMetrics>) -> Result<ServerStream, ConnectError> {
         let address = self.address();
         let host = self.host.clone();
         let port = self.port;
@@ -124,7 +128,13 @@ impl ServerTarget {
             })?;
 
         let (outbound, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let mut request = Request::new(ReceiverStream::new(outbound_rx));
+        let sent = metrics.clone();
+        let packets = ReceiverStream::new(outbound_rx).inspect(move |packet: &Packet| {
+            if let Ok(kind) = PacketType::try_from(packet.r#type) {
+                sent.packet(Segment::FromAgent, kind);
+            }
+        });
+        let mut request = Request::new(packets);
         let metadata = request.metadata_mut();
         metadata.insert(
             AGENT_ID,

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
 use crate::endpoint::{self, DialError, EndpointClosed};
-use crate::metrics::AgentMetrics;
+use crate::metrics::{AgentMetrics, Segment};
 
 /// Settings a session needs from the agent's configuration.
 #[derive(Clone, Debug)]
@@ -126,6 +126,9 @@ impl Session {
     }
 
     async fn on_packet(&mut self, packet: Packet) -> Result<(), StreamGone> {
+        if let Ok(kind) = konnectivity_proto::PacketType::try_from(packet.r#type) {
+            self.metrics.packet(Segment::ToAgent, kind);
+        }
         let frame = match Frame::try_from(packet) {
             Ok(frame) => frame,
             Err(error) => {

@@ -3,7 +3,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use konnectivity_proto::PacketType;
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
@@ -110,5 +113,102 @@ mod tests {
         );
         assert!(text.contains("# TYPE konnectivity_network_proxy_server_dial_failure_count counter"));
         assert!(text.contains("konnectivity_network_proxy_server_stream_packets_total 1\n"));
+    }
+}
+
+/// Which leg of an agent stream a packet travelled on; both binaries use
+/// upstream's names for the agent↔server legs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Segment {
+    /// Sent by the agent, received by the server.
+    FromAgent = 0,
+    /// Sent by the server, received by the agent.
+    ToAgent = 1,
+}
+
+impl Segment {
+    const ALL: [Segment; 2] = [Segment::FromAgent, Segment::ToAgent];
+
+    fn label(self) -> &'static str {
+        match self {
+            Segment::FromAgent => "from_agent",
+            Segment::ToAgent => "to_agent",
+        }
+    }
+}
+
+/// Upstream's seven packet types and our WINDOW_UPDATE extension.
+const PACKET_TYPES: usize = 8;
+const ALL_PACKET_TYPES: [PacketType; PACKET_TYPES] = [
+    PacketType::DialReq,
+    PacketType::DialRsp,
+    PacketType::CloseReq,
+    PacketType::CloseRsp,
+    PacketType::Data,
+    PacketType::DialCls,
+    PacketType::Drain,
+    PacketType::WindowUpdate,
+];
+
+/// Index of a packet type in [`ALL_PACKET_TYPES`].
+fn packet_index(kind: PacketType) -> usize {
+    match kind {
+        PacketType::WindowUpdate => 7,
+        upstream => upstream as usize,
+    }
+}
+
+/// `stream_packets_total{segment,packet_type}`, with every counter resolved
+/// once so the data path never builds a label set.
+#[derive(Debug, Clone, Default)]
+pub struct PacketCounters {
+    counters: [[Counter; PACKET_TYPES]; 2],
+}
+
+impl PacketCounters {
+    /// Registers the family in `registry` (which carries the prefix).
+    pub fn register(registry: &mut Registry) -> PacketCounters {
+        let family = Family::<Labels, Counter>::default();
+        let mut counters: [[Counter; PACKET_TYPES]; 2] = Default::default();
+        for (segment, row) in Segment::ALL.into_iter().zip(counters.iter_mut()) {
+            for (kind, counter) in ALL_PACKET_TYPES.into_iter().zip(row.iter_mut()) {
+                *counter = family
+                    .get_or_create(&vec![
+                        ("segment", segment.label()),
+                        ("packet_type", kind.as_str_name()),
+                    ])
+                    .clone();
+            }
+        }
+        registry.register(
+            "stream_packets",
+            "Packets on agent streams, by segment and packet type",
+            family,
+        );
+        PacketCounters { counters }
+    }
+
+    pub fn count(&self, segment: Segment, kind: PacketType) {
+        self.counters[segment as usize][packet_index(kind)].inc();
+    }
+}
+
+#[cfg(test)]
+mod packet_tests {
+    use super::*;
+
+    #[test]
+    fn every_packet_type_has_its_own_counter() {
+        for (index, kind) in ALL_PACKET_TYPES.into_iter().enumerate() {
+            assert_eq!(packet_index(kind), index, "{kind:?}");
+        }
+        let mut registry = Registry::with_prefix("p");
+        let counters = PacketCounters::register(&mut registry);
+        counters.count(Segment::ToAgent, PacketType::WindowUpdate);
+        let text = encode(&registry);
+        assert!(
+            text.contains(r#"p_stream_packets_total{segment="to_agent",packet_type="WINDOW_UPDATE"} 1"#),
+            "{text}"
+        );
     }
 }

@@ -1,8 +1,9 @@
 //! The server's Prometheus metrics, under upstream's names
 //! (`konnectivity_network_proxy_server_*`).
 
+pub use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::UnsuffixedCounter;
-use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels};
+use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters};
 use konnectivity_proto::PacketType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -43,24 +44,6 @@ impl DialFailure {
     }
 }
 
-/// Which leg of the tunnel a packet travelled on.
-#[derive(Clone, Copy, Debug)]
-pub enum Segment {
-    FromAgent = 0,
-    ToAgent = 1,
-}
-
-impl Segment {
-    const ALL: [Segment; 2] = [Segment::FromAgent, Segment::ToAgent];
-
-    fn label(self) -> &'static str {
-        match self {
-            Segment::FromAgent => "from_agent",
-            Segment::ToAgent => "to_agent",
-        }
-    }
-}
-
 #[derive(Debug)]
 pub struct ServerMetrics {
     pub registry: Registry,
@@ -77,30 +60,7 @@ pub struct ServerMetrics {
     pub alive_tasks: Gauge,
     grpc_connections: Family<Labels, Gauge>,
     dial_failures: Family<Labels, UnsuffixedCounter>,
-    /// Counters resolved once, indexed by segment then packet type, so the
-    /// data path never builds a label set.
-    packet_counters: [[Counter; PACKET_TYPES]; 2],
-}
-
-/// Upstream's seven packet types and our WINDOW_UPDATE extension.
-const PACKET_TYPES: usize = 8;
-const ALL_PACKET_TYPES: [PacketType; PACKET_TYPES] = [
-    PacketType::DialReq,
-    PacketType::DialRsp,
-    PacketType::CloseReq,
-    PacketType::CloseRsp,
-    PacketType::Data,
-    PacketType::DialCls,
-    PacketType::Drain,
-    PacketType::WindowUpdate,
-];
-
-/// Index of a packet type in [`ALL_PACKET_TYPES`].
-fn packet_index(kind: PacketType) -> usize {
-    match kind {
-        PacketType::WindowUpdate => 7,
-        upstream => upstream as usize,
-    }
+    packets: PacketCounters,
 }
 
 impl Default for ServerMetrics {
@@ -117,21 +77,9 @@ impl Default for ServerMetrics {
             alive_tasks: Gauge::default(),
             grpc_connections: Family::default(),
             dial_failures: Family::default(),
-            packet_counters: Default::default(),
+            packets: PacketCounters::default(),
             registry: Registry::default(),
         };
-        let stream_packets = Family::<Labels, Counter>::default();
-        let mut packet_counters: [[Counter; PACKET_TYPES]; 2] = Default::default();
-        for (segment, counters) in packet_counters.iter_mut().enumerate() {
-            for (kind, counter) in ALL_PACKET_TYPES.into_iter().zip(counters.iter_mut()) {
-                *counter = stream_packets
-                    .get_or_create(&vec![
-                        ("segment", Segment::ALL[segment].label()),
-                        ("packet_type", kind.as_str_name()),
-                    ])
-                    .clone();
-            }
-        }
         registry.register(
             "established_connections",
             "Current number of established end-to-end connections",
@@ -182,14 +130,10 @@ impl Default for ServerMetrics {
             "Number of dial failures observed, by reason",
             metrics.dial_failures.clone(),
         );
-        registry.register(
-            "stream_packets",
-            "Packets on gRPC streams, by segment and packet type",
-            stream_packets,
-        );
+        let packets = PacketCounters::register(&mut registry);
         ServerMetrics {
             registry,
-            packet_counters,
+            packets,
             ..metrics
         }
     }
@@ -216,22 +160,6 @@ impl ServerMetrics {
     }
 
     pub fn packet(&self, segment: Segment, kind: PacketType) {
-        self.packet_counters[segment as usize][packet_index(kind)].inc();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_packet_type_has_its_own_counter() {
-        for (index, kind) in ALL_PACKET_TYPES.into_iter().enumerate() {
-            assert_eq!(packet_index(kind), index, "{kind:?}");
-        }
-        let metrics = ServerMetrics::default();
-        metrics.packet(Segment::FromAgent, PacketType::WindowUpdate);
-        let text = konnectivity_plumbing::metrics::encode(&metrics.registry);
-        assert!(text.contains(r#"packet_type="WINDOW_UPDATE"} 1"#), "{text}");
+        self.packets.count(segment, kind);
     }
 }

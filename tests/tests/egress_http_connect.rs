@@ -415,24 +415,14 @@ async fn stalled_connections_do_not_stall_others_on_the_agent_stream() {
 /// flag, the agent is told to give up (DIAL_CLS), and nothing stays pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_dial_timeout_answers_504_and_cancels_the_agents_dial() {
-    let dir = support::TempDir::new("konn-dial-timeout");
-    let pki = Pki::new(dir.path());
-    let server = Server::start(
-        dir.path(),
-        &pki,
+    let setup = Setup::with_flags(
         "http-connect",
         true,
         &["--backend-dial-timeout=1s".into()],
+        &["--dial-timeout=30s".into()],
     )
     .await;
-    let agent = Agent::start(
-        dir.path(),
-        &pki,
-        server.agent_port,
-        "agent-1",
-        &["--dial-timeout=30s".into()],
-    );
-    server.wait_backends(1).await;
+    let server = &setup.server;
     let (_listener, _filler, addr) = unanswering_listener();
 
     let started = Instant::now();
@@ -469,5 +459,4 @@ async fn backend_dial_timeout_answers_504_and_cancels_the_agents_dial() {
         .await,
         Some(1.0)
     );
-    drop(agent);
 }

@@ -5,32 +5,23 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use support::TempDir;
-use support::certs::Pki;
+use support::cluster::Setup;
 use support::connect::via_uds;
-use support::procs::{Agent, Server};
 use support::targets;
 use tokio::io::AsyncReadExt;
 
-async fn start(timeout: &str) -> (TempDir, Server, Agent, targets::Target) {
-    let dir = TempDir::new("konn-shutdown");
-    let pki = Pki::new(dir.path());
-    let server = Server::start(
-        dir.path(),
-        &pki,
-        "http-connect",
-        true,
-        &[format!("--graceful-shutdown-timeout={timeout}")],
+async fn start(timeout: &str) -> (Setup, targets::Target) {
+    let flags = [format!("--graceful-shutdown-timeout={timeout}")];
+    (
+        Setup::with_flags("http-connect", true, &flags, &[]).await,
+        targets::blob().await,
     )
-    .await;
-    let agent = Agent::start(dir.path(), &pki, server.agent_port, "agent-1", &[]);
-    server.wait_backends(1).await;
-    (dir, server, agent, targets::blob().await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_tunnels_finish_after_sigterm_and_the_server_exits_when_they_end() {
-    let (_dir, mut server, _agent, target) = start("30s").await;
+    let (mut setup, target) = start("30s").await;
+    let server = &mut setup.server;
     let uds = server.uds_path().to_owned();
     let mut open = via_uds(&uds, &target.addr.to_string())
         .await
@@ -72,7 +63,8 @@ async fn open_tunnels_finish_after_sigterm_and_the_server_exits_when_they_end() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnels_still_open_at_the_deadline_are_cut() {
-    let (_dir, mut server, _agent, target) = start("1s").await;
+    let (mut setup, target) = start("1s").await;
+    let server = &mut setup.server;
     let mut open = via_uds(server.uds_path(), &target.addr.to_string())
         .await
         .unwrap()

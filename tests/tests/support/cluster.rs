@@ -17,9 +17,14 @@ pub struct Setup {
 
 impl Setup {
     pub async fn start(mode: &str, uds: bool, agent_extra: &[String]) -> Setup {
+        Setup::with_flags(mode, uds, &[], agent_extra).await
+    }
+
+    /// As [`Setup::start`], with extra flags for the server too.
+    pub async fn with_flags(mode: &str, uds: bool, server_extra: &[String], agent_extra: &[String]) -> Setup {
         let dir = TempDir::new("konn-egress");
         let pki = Pki::new(dir.path());
-        let server = Server::start(dir.path(), &pki, mode, uds, &[]).await;
+        let server = Server::start(dir.path(), &pki, mode, uds, server_extra).await;
         let agent = Agent::start(dir.path(), &pki, server.agent_port, "agent-1", agent_extra);
         server.wait_backends(1).await;
         Setup {
