@@ -11,6 +11,7 @@ pub mod endpoint;
 pub mod health;
 pub mod metrics;
 pub mod server_conn;
+pub mod servers;
 pub mod session;
 pub mod sys;
 
@@ -18,7 +19,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_plumbing::tls::{self, TlsError};
 use tokio::sync::watch;
 
@@ -115,7 +115,7 @@ pub async fn run(
     // On a worker thread of its own rather than in the caller's block_on:
     // every packet wakes this task, and workers wake each other cheaply.
     let backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
-    let mut egress = AbortOnDrop(tokio::spawn(serve_servers(
+    let mut egress = AbortOnDrop(tokio::spawn(servers::serve(
         target,
         settings,
         metrics.clone(),
@@ -141,46 +141,6 @@ pub async fn run(
     tokio::select! {
         result = capture::run(node_settings, metrics, readiness) => result.map_err(AgentError::from),
         _ = &mut egress.0 => Ok(()),
-    }
-}
-
-/// Holds the agent's stream to the server and serves it, reconnecting with
-/// upstream's backoff, forever.
-async fn serve_servers(
-    target: ServerTarget,
-    settings: SessionSettings,
-    metrics: Arc<AgentMetrics>,
-    drain: watch::Receiver<bool>,
-    mut backoff: Backoff,
-) {
-    loop {
-        match target.connect(&metrics).await {
-            Ok(stream) => {
-                backoff.reset();
-                tracing::info!(
-                    server_id = %stream.server_id,
-                    server_count = stream.server_count,
-                    flow_control = stream.flow_control,
-                    "connected to proxy-server"
-                );
-                metrics.known_server_count.set(i64::from(stream.server_count));
-                let _open = GaugeGuard::new(&metrics.open_server_connections);
-                let reason = session::run(
-                    stream.inbound,
-                    stream.outbound,
-                    stream.flow_control,
-                    settings.clone(),
-                    metrics.clone(),
-                    drain.clone(),
-                )
-                .await;
-                tracing::warn!(server_id = %stream.server_id, %reason, "lost proxy-server stream");
-            }
-            Err(error) => {
-                tracing::warn!(error = %konnectivity_plumbing::error_chain(&error), "cannot connect to proxy-server")
-            }
-        }
-        tokio::time::sleep(backoff.next_delay()).await;
     }
 }
 

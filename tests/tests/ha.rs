@@ -1,0 +1,154 @@
+//! High availability: several proxy-servers behind one address. The agent
+//! learns `servercount` from each server and keeps dialing the address until
+//! it holds one stream to each distinct `serverid`, so every server (each
+//! beside its own kube-apiserver) can reach the cluster.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use support::TempDir;
+use support::certs::Pki;
+use support::connect::via_uds;
+use support::procs::{Agent, Server};
+use support::scrape::metric;
+use support::{targets, wait_until};
+use tokio::net::{TcpListener, TcpStream};
+
+const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connections";
+const AGENT_SERVERS: &str = "konnectivity_network_proxy_agent_open_server_connections";
+
+/// A TCP load balancer for the test: round robin over its backends, skipping
+/// one that refuses, bytes copied both ways.
+struct RoundRobin {
+    addr: SocketAddr,
+    backends: Arc<Mutex<Vec<SocketAddr>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RoundRobin {
+    async fn start(backends: Vec<SocketAddr>) -> RoundRobin {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let backends = Arc::new(Mutex::new(backends));
+        let shared = backends.clone();
+        let task = tokio::spawn(async move {
+            let mut next = 0usize;
+            while let Ok((mut client, _)) = listener.accept().await {
+                let candidates = shared.lock().unwrap().clone();
+                let start = next;
+                next = next.wrapping_add(1);
+                tokio::spawn(async move {
+                    for i in 0..candidates.len() {
+                        let backend = candidates[(start + i) % candidates.len()];
+                        if let Ok(mut server) = TcpStream::connect(backend).await {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        RoundRobin { addr, backends, task }
+    }
+
+    fn add(&self, backend: SocketAddr) {
+        self.backends.lock().unwrap().push(backend);
+    }
+}
+
+impl Drop for RoundRobin {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn server(dir: &TempDir, pki: &Pki, id: &str) -> Server {
+    let extra = [format!("--server-id={id}"), "--server-count=3".to_owned()];
+    Server::start(dir.path(), pki, "http-connect", true, &extra).await
+}
+
+fn agent_address(server: &Server) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], server.agent_port))
+}
+
+async fn connected(server: &Server) -> f64 {
+    metric(server.health_port, CONNECTED).await.unwrap_or(-1.0)
+}
+
+/// A tunnel through `server`'s frontend moves bytes intact.
+async fn tunnel_works(server: &Server, target: &str) {
+    let mut tunnel = via_uds(server.uds_path(), target)
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+    let (sent, received) = targets::push(&mut tunnel, 1 << 20, 1).await.unwrap();
+    assert_eq!(sent, received);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_behind_a_load_balancer_holds_one_stream_to_each_server() {
+    let dir = TempDir::new("konn-ha");
+    let pki = Pki::new(dir.path());
+    let mut servers = vec![
+        server(&dir, &pki, "server-1").await,
+        server(&dir, &pki, "server-2").await,
+        server(&dir, &pki, "server-3").await,
+    ];
+    let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
+    // The agent knows only the balancer's address.
+    let agent = Agent::start(dir.path(), &pki, balancer.addr.port(), "agent-1", &[]);
+    let agent_port = agent.health_port;
+    let target = targets::blob().await;
+    let target = target.addr.to_string();
+
+    wait_until(
+        Duration::from_secs(30),
+        "one stream to each of 3 servers",
+        || async {
+            let mut all = true;
+            for server in &servers {
+                all &= connected(server).await == 1.0;
+            }
+            all && metric(agent_port, AGENT_SERVERS).await == Some(3.0)
+        },
+    )
+    .await;
+    for server in &servers {
+        tunnel_works(server, &target).await;
+    }
+
+    // One server goes away: the agent holds the other two, which still serve.
+    let mut gone = servers.remove(0);
+    gone.proc.kill();
+    wait_until(
+        Duration::from_secs(10),
+        "the agent drops to 2 streams",
+        || async { metric(agent_port, AGENT_SERVERS).await == Some(2.0) },
+    )
+    .await;
+    for server in &servers {
+        assert_eq!(
+            connected(server).await,
+            1.0,
+            "no duplicate streams to the survivors"
+        );
+        tunnel_works(server, &target).await;
+    }
+
+    // A new server joins behind the balancer: the agent finds it.
+    let fourth = server(&dir, &pki, "server-4").await;
+    balancer.add(agent_address(&fourth));
+    wait_until(
+        Duration::from_secs(30),
+        "the agent converges on the new server",
+        || async { connected(&fourth).await == 1.0 && metric(agent_port, AGENT_SERVERS).await == Some(3.0) },
+    )
+    .await;
+    tunnel_works(&fourth, &target).await;
+    for server in &servers {
+        assert_eq!(connected(server).await, 1.0);
+    }
+}
