@@ -55,6 +55,8 @@ pub struct ServerMetrics {
     /// Agents each configured strategy can choose (`ready_backends{proxy_strategy}`).
     ready_backends: Family<Labels, Gauge>,
     pub dial_duration: Histogram,
+    /// How long writing a chunk to the frontend client took.
+    pub frontend_write_duration: Histogram,
     pub stream_errors: Counter,
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
     pub alive_tasks: Gauge,
@@ -73,6 +75,7 @@ impl Default for ServerMetrics {
             ready_backend_connections: Gauge::default(),
             ready_backends: Family::default(),
             dial_duration: Histogram::new(LATENCY_BUCKETS),
+            frontend_write_duration: Histogram::new(LATENCY_BUCKETS),
             stream_errors: Counter::default(),
             alive_tasks: Gauge::default(),
             grpc_connections: Family::default(),
@@ -104,6 +107,11 @@ impl Default for ServerMetrics {
             "ready_backends",
             "Number of agents each proxy strategy can choose",
             metrics.ready_backends.clone(),
+        );
+        registry.register(
+            "frontend_write_duration_seconds",
+            "Latency of write to the frontend in seconds",
+            metrics.frontend_write_duration.clone(),
         );
         registry.register(
             "dial_duration_seconds",

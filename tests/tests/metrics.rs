@@ -32,6 +32,7 @@ async fn upstream_metrics_exist_and_move_with_traffic() {
     let before = (scrape(server_port).await, scrape(agent_port).await);
     for (text, name, kind) in [
         (&before.0, server("dial_duration_seconds"), "histogram"),
+        (&before.0, server("frontend_write_duration_seconds"), "histogram"),
         (&before.0, server("ready_backend_connections"), "gauge"),
         (&before.0, server("ready_backends"), "gauge"),
         (&before.0, server("pending_backend_dials"), "gauge"),

@@ -2,6 +2,7 @@
 //! them. Strategies are tried in the order given; one that finds no backend
 //! hands over to the next.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use rand::seq::IndexedRandom;
@@ -69,13 +70,33 @@ pub fn parse_strategies(text: &str) -> Result<Vec<Strategy>, String> {
     Ok(strategies)
 }
 
+/// One stream per agent id, its oldest. An agent holding streams to several
+/// servers behind one address dials until it reaches each of them, and a
+/// stream that lands on a server it already holds is closed at once: a dial
+/// routed to that newcomer would fail with it. Every agent also gets an
+/// equal share of dials, however many streams it has open.
+fn oldest_per_agent<'a>(candidates: impl Iterator<Item = &'a Arc<Backend>>) -> Vec<&'a Arc<Backend>> {
+    let mut oldest: HashMap<&str, &Arc<Backend>> = HashMap::new();
+    for backend in candidates {
+        oldest
+            .entry(backend.agent_id.as_str())
+            .and_modify(|kept| {
+                if backend.id.0 < kept.id.0 {
+                    *kept = backend;
+                }
+            })
+            .or_insert(backend);
+    }
+    oldest.into_values().collect()
+}
+
 /// Picks a backend for a dial to `host`: within the first strategy that has
 /// candidates, a random one that is not draining, or a draining one when
 /// all candidates drain (so a draining fleet still serves).
 pub fn select(strategies: &[Strategy], backends: &[Arc<Backend>], host: &str) -> Option<Arc<Backend>> {
     let mut rng = rand::rng();
     for strategy in strategies {
-        let candidates: Vec<&Arc<Backend>> = backends.iter().filter(|b| strategy.admits(b, host)).collect();
+        let candidates = oldest_per_agent(backends.iter().filter(|b| strategy.admits(b, host)));
         if candidates.is_empty() {
             continue;
         }
@@ -94,11 +115,16 @@ mod tests {
     use tokio::sync::mpsc;
 
     fn backend(id: u64, identifiers: &str) -> Arc<Backend> {
+        stream_of(&format!("agent-{id}"), id, identifiers)
+    }
+
+    /// Stream `id` of the agent `agent_id`.
+    fn stream_of(agent_id: &str, id: u64, identifiers: &str) -> Arc<Backend> {
         let (outbound, _) = mpsc::channel(1);
         let (commands, _) = mpsc::channel(1);
         Arc::new(Backend::new(
             BackendId(id),
-            format!("agent-{id}"),
+            agent_id.to_owned(),
             AgentIdentifiers::parse(identifiers).unwrap(),
             false,
             false,
@@ -129,6 +155,21 @@ mod tests {
         }
         assert!(select(&strategies, &backends, "10.9.9.9").is_some());
         assert!(select(&[Strategy::DestHost], &backends, "10.9.9.9").is_none());
+    }
+
+    #[test]
+    fn a_newer_stream_of_the_same_agent_is_not_chosen() {
+        let backends = [
+            stream_of("a", 7, ""),
+            stream_of("a", 3, ""),
+            stream_of("a", 9, ""),
+        ];
+        for _ in 0..20 {
+            assert_eq!(
+                select(&[Strategy::Default], &backends, "x").unwrap().id,
+                BackendId(3)
+            );
+        }
     }
 
     #[test]

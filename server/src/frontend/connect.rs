@@ -6,7 +6,7 @@
 //! HTTP server so that the success line is byte-exact and nothing the client
 //! sends after the head is lost or buffered away from the tunnel.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -15,6 +15,7 @@ use konnectivity_proto::{DATA_CHUNK, DialId};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
 use super::stream::FrontendStream;
+use crate::metrics::ServerMetrics;
 use crate::tunnel::{Dialer, RemoteEnd, TunnelConn};
 
 /// The success line; Go's client reads exactly this, and nothing may follow
@@ -178,7 +179,7 @@ pub async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
         return;
     }
     tracing::debug!(target = %request.target, connect_id = %connection.connect_id, "tunnel established");
-    pump(stream, connection, request.early_data).await;
+    pump(stream, connection, request.early_data, &dialer.metrics).await;
 }
 
 /// What an idle connection waits with: a small buffer inside its task, so
@@ -212,7 +213,12 @@ async fn read_chunk<R: AsyncRead + Unpin>(reader: &mut R) -> std::io::Result<Opt
 
 /// Copies bytes both ways until either side ends. There is no half-close in
 /// the protocol: the first end, either way, ends both directions.
-async fn pump<S: FrontendStream>(stream: S, connection: TunnelConn, early_data: Bytes) {
+async fn pump<S: FrontendStream>(
+    stream: S,
+    connection: TunnelConn,
+    early_data: Bytes,
+    metrics: &ServerMetrics,
+) {
     let (mut reader, mut writer) = tokio::io::split(stream);
     let (sender, mut receiver) = connection.split();
 
@@ -238,9 +244,13 @@ async fn pump<S: FrontendStream>(stream: S, connection: TunnelConn, early_data: 
                     // Flush every chunk: over TLS, write_all can return with the
                     // last records still in rustls' buffer, and with no further
                     // write they would never reach the client.
+                    let started = Instant::now();
                     if writer.write_all(&data).await.is_err() || writer.flush().await.is_err() {
                         return RemoteEnd::Closed;
                     }
+                    metrics
+                        .frontend_write_duration
+                        .observe(started.elapsed().as_secs_f64());
                 }
                 Err(end) => return end,
             }

@@ -6,6 +6,7 @@
 //! the HTTP CONNECT frontend uses; only the framing towards the client differs.
 
 use std::pin::Pin;
+use std::time::Instant;
 
 use futures_util::{Stream, StreamExt};
 use konnectivity_plumbing::metrics::GaugeGuard;
@@ -15,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::metrics::ServerMetrics;
 use crate::tunnel::{DialError, Dialer, RemoteEnd, TunnelConn};
 
 /// Packets queued towards one frontend client.
@@ -111,7 +113,7 @@ impl ClientStream {
         let Some(connection) = self.dial(dialer, &address, dial_id).await else {
             return;
         };
-        let _ = self.relay(connection).await;
+        let _ = self.relay(connection, &dialer.metrics).await;
     }
 
     /// Dials while watching the client: DIAL_CLS or the stream ending cancels
@@ -155,7 +157,7 @@ impl ClientStream {
 
     /// Moves bytes until either side closes. Dropping the tunnel's sender on
     /// the way out closes the connection on the agent.
-    async fn relay(&mut self, connection: TunnelConn) -> Result<(), ClientGone> {
+    async fn relay(&mut self, connection: TunnelConn, metrics: &ServerMetrics) -> Result<(), ClientGone> {
         let connect_id = connection.connect_id;
         let (sender, mut receiver) = connection.split();
         loop {
@@ -178,7 +180,11 @@ impl ClientStream {
                     None => return Ok(()),
                 },
                 received = receiver.recv() => match received {
-                    Ok(data) => self.send(Frame::Data { connect_id, data }).await?,
+                    Ok(data) => {
+                        let started = Instant::now();
+                        self.send(Frame::Data { connect_id, data }).await?;
+                        metrics.frontend_write_duration.observe(started.elapsed().as_secs_f64());
+                    }
                     Err(RemoteEnd::Closed) => return self.close(connect_id, None).await,
                     Err(RemoteEnd::Failed(error)) => return self.close(connect_id, Some(error)).await,
                 },
