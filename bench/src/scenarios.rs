@@ -17,14 +17,15 @@ use crate::targets::Targets;
 const WRITE_SIZE: usize = 256 * 1024;
 
 /// Pushes `bytes` to the sink target over `conn` and waits until the sink
-/// confirms it read every one of them.
-async fn push(conn: &mut dyn Conn, bytes: u64) -> anyhow::Result<()> {
+/// confirms it read every one of them; `moved` counts what was written.
+async fn push(conn: &mut dyn Conn, bytes: u64, moved: &AtomicU64) -> anyhow::Result<()> {
     let chunk = vec![0xa5_u8; WRITE_SIZE];
     conn.write_all(&bytes.to_be_bytes()).await?;
     let mut left = bytes;
     while left > 0 {
         let n = chunk.len().min(left as usize);
         conn.write_all(&chunk[..n]).await?;
+        moved.fetch_add(n as u64, Ordering::Relaxed);
         left -= n as u64;
     }
     conn.flush().await?;
@@ -42,7 +43,7 @@ async fn push(conn: &mut dyn Conn, bytes: u64) -> anyhow::Result<()> {
 pub async fn throughput_one(route: &Route, targets: &Targets, bytes: u64) -> anyhow::Result<f64> {
     let mut conn = route.open(targets.sink).await?;
     let started = Instant::now();
-    push(&mut *conn, bytes).await?;
+    push(&mut *conn, bytes, &AtomicU64::new(0)).await?;
     Ok(bytes as f64 / started.elapsed().as_secs_f64())
 }
 
@@ -62,7 +63,7 @@ pub async fn throughput_parallel(
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for mut conn in conns {
-        tasks.spawn(async move { push(&mut *conn, each).await });
+        tasks.spawn(async move { push(&mut *conn, each, &AtomicU64::new(0)).await });
     }
     while let Some(done) = tasks.join_next().await {
         done??;
@@ -214,18 +215,7 @@ pub async fn beside_stalled(
     let transfer = async {
         // The dial itself crosses the shared agent stream, so it is timed too.
         let mut conn = route.open(targets.sink).await?;
-        let chunk = vec![0xa5_u8; WRITE_SIZE];
-        conn.write_all(&bytes.to_be_bytes()).await?;
-        let mut left = bytes;
-        while left > 0 {
-            let n = chunk.len().min(left as usize);
-            conn.write_all(&chunk[..n]).await?;
-            moved.fetch_add(n as u64, Ordering::Relaxed);
-            left -= n as u64;
-        }
-        let mut ack = [0u8; 8];
-        conn.read_exact(&mut ack).await?;
-        anyhow::Ok(())
+        push(&mut *conn, bytes, &moved).await
     };
     let outcome = tokio::time::timeout(limit, transfer).await;
     writer.abort();
