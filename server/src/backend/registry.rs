@@ -109,12 +109,4 @@ impl Registry {
             FrontendClass::Apiserver => strategy::select(&self.strategies, &eligible, host),
         }
     }
-
-    pub fn len(&self) -> usize {
-        self.backends.read().expect("registry lock poisoned").len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
