@@ -2,7 +2,7 @@
 //! (`konnectivity_network_proxy_agent_*`).
 
 pub use konnectivity_plumbing::metrics::Segment;
-use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters};
+use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors};
 use konnectivity_proto::PacketType;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -44,6 +44,7 @@ pub struct AgentMetrics {
     captured: Family<Labels, Counter>,
     dial_failures: Family<Labels, Counter>,
     packets: PacketCounters,
+    pub stream_errors: StreamErrors,
 }
 
 impl Default for AgentMetrics {
@@ -99,10 +100,12 @@ impl Default for AgentMetrics {
             "Number of failed dials to endpoints, by reason",
             dial_failures.clone(),
         );
-        let packets = PacketCounters::register(&mut registry);
+        let packets = PacketCounters::register(&mut registry, Segment::AGENT);
+        let stream_errors = StreamErrors::register(&mut registry);
         AgentMetrics {
             registry,
             packets,
+            stream_errors,
             open_server_connections,
             known_server_count,
             open_endpoint_connections,

@@ -106,7 +106,10 @@ where
             }
             packet = inbound.next() => match packet {
                 Some(Ok(packet)) => session.on_packet(packet).await,
-                Some(Err(status)) => break format!("stream error: {status}"),
+                Some(Err(status)) => {
+                    session.metrics.stream_errors.count(Segment::ToAgent, status.code(), None);
+                    break format!("stream error: {status}");
+                }
                 None => break "server closed the stream".to_owned(),
             },
         };
@@ -133,6 +136,11 @@ impl Session {
             Ok(frame) => frame,
             Err(error) => {
                 tracing::warn!(%error, "invalid packet from server");
+                self.metrics.stream_errors.count(
+                    Segment::ToAgent,
+                    tonic::Code::InvalidArgument,
+                    error.packet_type(),
+                );
                 return Ok(());
             }
         };
@@ -163,6 +171,11 @@ impl Session {
             }
             unexpected => {
                 tracing::warn!(kind = ?unexpected.kind(), "unexpected packet from server");
+                self.metrics.stream_errors.count(
+                    Segment::ToAgent,
+                    tonic::Code::InvalidArgument,
+                    Some(unexpected.kind()),
+                );
             }
         }
         Ok(())
@@ -189,6 +202,11 @@ impl Session {
             }
             Err(overrun @ Refused::Overrun) => {
                 tracing::warn!(%connect_id, error = %overrun, "closing connection");
+                self.metrics.stream_errors.count(
+                    Segment::ToAgent,
+                    tonic::Code::ResourceExhausted,
+                    Some(konnectivity_proto::PacketType::Data),
+                );
                 self.endpoints.remove(&connect_id);
                 self.send(Frame::CloseResponse {
                     connect_id,

@@ -116,23 +116,37 @@ mod tests {
     }
 }
 
-/// Which leg of an agent stream a packet travelled on; both binaries use
-/// upstream's names for the agent↔server legs.
+/// Which leg of a tunnel a packet travelled on, with upstream's names. The
+/// agent sees only the agent legs; the server sees all four.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Segment {
     /// Sent by the agent, received by the server.
     FromAgent = 0,
     /// Sent by the server, received by the agent.
     ToAgent = 1,
+    /// Sent by a gRPC frontend client (kube-apiserver), received by the server.
+    FromClient = 2,
+    /// Sent by the server to a gRPC frontend client.
+    ToClient = 3,
 }
 
 impl Segment {
-    const ALL: [Segment; 2] = [Segment::FromAgent, Segment::ToAgent];
+    /// The legs an agent's stream has.
+    pub const AGENT: &[Segment] = &[Segment::FromAgent, Segment::ToAgent];
+    /// Every leg, as the server sees them.
+    pub const ALL: &[Segment] = &[
+        Segment::FromAgent,
+        Segment::ToAgent,
+        Segment::FromClient,
+        Segment::ToClient,
+    ];
 
     fn label(self) -> &'static str {
         match self {
             Segment::FromAgent => "from_agent",
             Segment::ToAgent => "to_agent",
+            Segment::FromClient => "from_client",
+            Segment::ToClient => "to_client",
         }
     }
 }
@@ -162,15 +176,18 @@ fn packet_index(kind: PacketType) -> usize {
 /// once so the data path never builds a label set.
 #[derive(Debug, Clone, Default)]
 pub struct PacketCounters {
-    counters: [[Counter; PACKET_TYPES]; 2],
+    counters: [[Counter; PACKET_TYPES]; 4],
 }
 
 impl PacketCounters {
-    /// Registers the family in `registry` (which carries the prefix).
-    pub fn register(registry: &mut Registry) -> PacketCounters {
+    /// Registers the family in `registry` (which carries the prefix), with
+    /// a series for every packet type on each of `segments`. Counting on
+    /// another segment is allowed but shows nowhere.
+    pub fn register(registry: &mut Registry, segments: &[Segment]) -> PacketCounters {
         let family = Family::<Labels, Counter>::default();
-        let mut counters: [[Counter; PACKET_TYPES]; 2] = Default::default();
-        for (segment, row) in Segment::ALL.into_iter().zip(counters.iter_mut()) {
+        let mut counters: [[Counter; PACKET_TYPES]; 4] = Default::default();
+        for &segment in segments {
+            let row = &mut counters[segment as usize];
             for (kind, counter) in ALL_PACKET_TYPES.into_iter().zip(row.iter_mut()) {
                 *counter = family
                     .get_or_create(&vec![
@@ -182,7 +199,7 @@ impl PacketCounters {
         }
         registry.register(
             "stream_packets",
-            "Packets on agent streams, by segment and packet type",
+            "Count of packets processed, by segment and packet type",
             family,
         );
         PacketCounters { counters }
@@ -203,12 +220,92 @@ mod packet_tests {
             assert_eq!(packet_index(kind), index, "{kind:?}");
         }
         let mut registry = Registry::with_prefix("p");
-        let counters = PacketCounters::register(&mut registry);
+        let counters = PacketCounters::register(&mut registry, Segment::AGENT);
         counters.count(Segment::ToAgent, PacketType::WindowUpdate);
+        counters.count(Segment::FromClient, PacketType::Data);
         let text = encode(&registry);
         assert!(
             text.contains(r#"p_stream_packets_total{segment="to_agent",packet_type="WINDOW_UPDATE"} 1"#),
             "{text}"
         );
+        assert!(!text.contains("from_client"), "{text}");
+    }
+
+    #[test]
+    fn stream_errors_carry_segment_code_and_packet_type() {
+        let mut registry = Registry::with_prefix("p");
+        let errors = StreamErrors::register(&mut registry);
+        errors.count(Segment::FromAgent, tonic::Code::Unavailable, None);
+        errors.count(
+            Segment::ToClient,
+            tonic::Code::InvalidArgument,
+            Some(PacketType::DialRsp),
+        );
+        let text = encode(&registry);
+        assert!(
+            text.contains(
+                r#"p_stream_errors_total{segment="from_agent",code="Unavailable",packet_type="Unknown"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"p_stream_errors_total{segment="to_client",code="InvalidArgument",packet_type="DIAL_RSP"} 1"#
+            ),
+            "{text}"
+        );
+    }
+}
+
+/// `stream_errors_total{segment,code,packet_type}`: failures on a stream, by
+/// leg, gRPC status code (Go's names, as upstream prints them) and the
+/// packet involved (`Unknown` when none was).
+#[derive(Debug, Clone, Default)]
+pub struct StreamErrors(Family<Labels, Counter>);
+
+impl StreamErrors {
+    pub fn register(registry: &mut Registry) -> StreamErrors {
+        let family = Family::<Labels, Counter>::default();
+        registry.register(
+            "stream_errors",
+            "Count of gRPC stream errors, by segment, grpc Code, packet type",
+            family.clone(),
+        );
+        StreamErrors(family)
+    }
+
+    pub fn count(&self, segment: Segment, code: tonic::Code, packet: Option<PacketType>) {
+        let packet_type = packet.map_or("Unknown", |kind| kind.as_str_name());
+        self.0
+            .get_or_create(&vec![
+                ("segment", segment.label()),
+                ("code", code_name(code)),
+                ("packet_type", packet_type),
+            ])
+            .inc();
+    }
+}
+
+/// A gRPC code as grpc-go's `codes.Code.String()` spells it.
+pub fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "OK",
+        Cancelled => "Canceled",
+        Unknown => "Unknown",
+        InvalidArgument => "InvalidArgument",
+        DeadlineExceeded => "DeadlineExceeded",
+        NotFound => "NotFound",
+        AlreadyExists => "AlreadyExists",
+        PermissionDenied => "PermissionDenied",
+        ResourceExhausted => "ResourceExhausted",
+        FailedPrecondition => "FailedPrecondition",
+        Aborted => "Aborted",
+        OutOfRange => "OutOfRange",
+        Unimplemented => "Unimplemented",
+        Internal => "Internal",
+        Unavailable => "Unavailable",
+        DataLoss => "DataLoss",
+        Unauthenticated => "Unauthenticated",
     }
 }

@@ -60,6 +60,17 @@ pub enum PacketError {
     DialResponseWithoutConnectId(i64),
 }
 
+impl PacketError {
+    /// The packet's type, when it had a known one.
+    pub fn packet_type(&self) -> Option<PacketType> {
+        match self {
+            PacketError::UnknownType(_) => None,
+            PacketError::PayloadMismatch(kind) | PacketError::InvalidConnectId { kind, .. } => Some(*kind),
+            PacketError::DialResponseWithoutConnectId(_) => Some(PacketType::DialRsp),
+        }
+    }
+}
+
 impl TryFrom<Packet> for Frame {
     type Error = PacketError;
 

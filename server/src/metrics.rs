@@ -3,42 +3,45 @@
 
 pub use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::UnsuffixedCounter;
-use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters};
+use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors};
 use konnectivity_proto::PacketType;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Why a dial failed, with upstream's label values where upstream has one.
+/// Why a dial failed: upstream's `dial_failure_count` reasons, plus two of
+/// ours for failures upstream has no path for.
 #[derive(Clone, Copy, Debug)]
 pub enum DialFailure {
-    /// The agent reported the error.
-    Endpoint,
+    /// No agent could be chosen for the destination.
+    NoAgent,
+    /// The agent reported the error in its DIAL_RSP.
+    ErrorResponse,
     /// A DIAL_RSP for a dial nobody waits for.
     UnrecognizedResponse,
-    /// The frontend went away before the dial completed.
-    FrontendClose,
-    /// The agent stream ended before the dial completed.
+    /// The agent dialed, but the frontend was gone before it heard so.
+    SendResponse,
+    /// The agent closed the dial (DIAL_CLS) or its stream ended first.
     BackendClose,
-    /// No DIAL_RSP within --backend-dial-timeout.
+    /// The frontend cancelled (DIAL_CLS) or went away first.
+    FrontendClose,
+    /// Ours: no DIAL_RSP within --backend-dial-timeout.
     Timeout,
-    /// No backend could be selected.
-    NoBackend,
-    /// A node client asked for a destination outside the allow-list.
+    /// Ours: a node client asked for a destination outside the allow-list.
     NodePolicy,
 }
 
 impl DialFailure {
     fn label(self) -> &'static str {
         match self {
-            DialFailure::Endpoint => "endpoint",
+            DialFailure::NoAgent => "no_agent",
+            DialFailure::ErrorResponse => "error_response",
             DialFailure::UnrecognizedResponse => "unrecognized_response",
-            DialFailure::FrontendClose => "frontend_close",
+            DialFailure::SendResponse => "send_rsp",
             DialFailure::BackendClose => "backend_close",
+            DialFailure::FrontendClose => "frontend_close",
             DialFailure::Timeout => "timeout",
-            DialFailure::NoBackend => "no_backend",
             DialFailure::NodePolicy => "node_policy",
         }
     }
@@ -57,7 +60,10 @@ pub struct ServerMetrics {
     pub dial_duration: Histogram,
     /// How long writing a chunk to the frontend client took.
     pub frontend_write_duration: Histogram,
-    pub stream_errors: Counter,
+    pub stream_errors: StreamErrors,
+    /// Agent streams whose reading waits on one connection's full buffer
+    /// (only with agents that did not negotiate flow control).
+    full_receive_channels: Family<Labels, Gauge>,
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
     pub alive_tasks: Gauge,
     grpc_connections: Family<Labels, Gauge>,
@@ -76,7 +82,8 @@ impl Default for ServerMetrics {
             ready_backends: Family::default(),
             dial_duration: Histogram::new(LATENCY_BUCKETS),
             frontend_write_duration: Histogram::new(LATENCY_BUCKETS),
-            stream_errors: Counter::default(),
+            stream_errors: StreamErrors::default(),
+            full_receive_channels: Family::default(),
             alive_tasks: Gauge::default(),
             grpc_connections: Family::default(),
             dial_failures: Family::default(),
@@ -119,9 +126,9 @@ impl Default for ServerMetrics {
             metrics.dial_duration.clone(),
         );
         registry.register(
-            "stream_errors",
-            "Packets and streams rejected as invalid",
-            metrics.stream_errors.clone(),
+            "full_receive_channels",
+            "Number of current connections blocked by a full receive channel, by service method",
+            metrics.full_receive_channels.clone(),
         );
         registry.register(
             "runtime_alive_tasks",
@@ -138,10 +145,14 @@ impl Default for ServerMetrics {
             "Number of dial failures observed, by reason",
             metrics.dial_failures.clone(),
         );
-        let packets = PacketCounters::register(&mut registry);
+        // Present from the start, so a dashboard sees 0 rather than nothing.
+        metrics.full_receive_channels("Connect");
+        let packets = PacketCounters::register(&mut registry, Segment::ALL);
+        let stream_errors = StreamErrors::register(&mut registry);
         ServerMetrics {
             registry,
             packets,
+            stream_errors,
             ..metrics
         }
     }
@@ -165,6 +176,13 @@ impl ServerMetrics {
         self.ready_backends
             .get_or_create(&vec![("proxy_strategy", strategy)])
             .set(count as i64);
+    }
+
+    /// The gauge of streams of `service_method` blocked on a full receive channel.
+    pub fn full_receive_channels(&self, service_method: &'static str) -> Gauge {
+        self.full_receive_channels
+            .get_or_create(&vec![("service_method", service_method)])
+            .clone()
     }
 
     pub fn packet(&self, segment: Segment, kind: PacketType) {

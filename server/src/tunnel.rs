@@ -79,7 +79,7 @@ impl Dialer {
         }
         let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
         let Some(backend) = self.registry.select(host, self.class) else {
-            self.metrics.dial_failed(DialFailure::NoBackend);
+            self.metrics.dial_failed(DialFailure::NoAgent);
             return Err(DialError::NoBackend);
         };
         let (events_tx, mut events) = mpsc::unbounded_channel();

@@ -65,6 +65,39 @@ async fn echo_round_trip(mut stream: TunnelStream, seed: u64) -> std::io::Result
     stream.shutdown().await
 }
 
+/// kube-apiserver's `exec` and `port-forward` write and read at once. Here
+/// the target sends 64 MiB before it reads anything, while the client is
+/// already writing 64 MiB: the client's writes fill the window towards the
+/// agent, and that must never stop the target's bytes flowing back (which is
+/// what lets the target get round to reading).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_writing_while_the_target_sends_never_deadlocks() {
+    const LEN: u64 = 64 * 1024 * 1024;
+    let setup = Setup::start("grpc", true, &[]).await;
+    let target = targets::blob().await;
+    let tunnel = tunnel(&setup, true).await;
+    let mut stream = tunnel.dial(&target.addr.to_string()).await.unwrap();
+    let expected = tokio::task::spawn_blocking(|| pattern_digest(LEN, 32));
+    targets::request_pull(&mut stream, LEN, 32).await.unwrap();
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    let read = async {
+        let pulled = targets::read_digest(&mut reader, LEN).await.unwrap();
+        let mut pushed = [0u8; 32];
+        reader.read_exact(&mut pushed).await.unwrap();
+        (pulled, pushed)
+    };
+    let write = async { targets::push_without_reply(&mut writer, LEN, 31).await.unwrap() };
+    let ((pulled, pushed_received), pushed_sent) =
+        tokio::time::timeout(Duration::from_secs(60), async { tokio::join!(read, write) })
+            .await
+            .expect("deadlock: the target's bytes stopped flowing back while the client wrote");
+    assert_eq!(pulled, expected.await.unwrap(), "pulled bytes changed on the way");
+    assert_eq!(pushed_received, pushed_sent, "pushed bytes changed on the way");
+    writer.shutdown().await.unwrap();
+    drop((reader, writer));
+    setup.assert_gauges_return_to_zero().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_concurrent_dials_over_one_connection_then_nothing_is_left_behind() {
     let setup = Setup::start("grpc", true, &[]).await;

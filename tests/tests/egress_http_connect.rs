@@ -190,7 +190,7 @@ async fn refused_target_answers_502_naming_the_error() {
     assert!(refused.body.contains(&closed_port.to_string()), "{refused:?}");
     let failures = metric(
         setup.server.health_port,
-        "konnectivity_network_proxy_server_dial_failure_count{reason=\"endpoint\"}",
+        "konnectivity_network_proxy_server_dial_failure_count{reason=\"error_response\"}",
     )
     .await;
     assert_eq!(failures, Some(1.0));

@@ -27,8 +27,9 @@ async fn upstream_metrics_exist_and_move_with_traffic() {
     let agent = |name: &str| format!("konnectivity_network_proxy_agent_{name}");
 
     // Families with labels and no sample yet (dial_failure_count{reason},
-    // endpoint_dial_failure_total{reason}) are absent until the first
-    // failure, as with upstream's Go client; egress_http_connect checks them.
+    // endpoint_dial_failure_total{reason}, stream_errors_total{...}) are
+    // absent until the first failure, as with upstream's Go client;
+    // egress_http_connect checks them.
     let before = (scrape(server_port).await, scrape(agent_port).await);
     for (text, name, kind) in [
         (&before.0, server("dial_duration_seconds"), "histogram"),
@@ -40,7 +41,7 @@ async fn upstream_metrics_exist_and_move_with_traffic() {
         (&before.0, server("http_connections"), "gauge"),
         (&before.0, server("grpc_connections"), "gauge"),
         (&before.0, server("stream_packets_total"), "counter"),
-        (&before.0, server("stream_errors_total"), "counter"),
+        (&before.0, server("full_receive_channels"), "gauge"),
         (&before.1, agent("dial_duration_seconds"), "histogram"),
         (&before.1, agent("open_server_connections"), "gauge"),
         (&before.1, agent("known_server_count"), "gauge"),
@@ -108,5 +109,46 @@ async fn upstream_metrics_exist_and_move_with_traffic() {
         let series = format!(r#"{who}stream_packets_total{{segment="to_agent",packet_type="DATA"}}"#);
         assert!(moved(text_before, text_after, &series) >= 3.0, "{series}");
     }
-    assert_eq!(value(&after.0, &server("stream_errors_total")), 0.0);
+    assert_eq!(
+        value(
+            &after.0,
+            &server(r#"full_receive_channels{service_method="Connect"}"#)
+        ),
+        0.0
+    );
+    for text in [&after.0, &after.1] {
+        assert!(
+            !text.contains("stream_errors_total{"),
+            "no stream failed, yet:\n{text}"
+        );
+    }
+}
+
+/// The gRPC frontend's legs are counted as upstream's server counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_frontend_packets_are_counted_by_client_segment() {
+    use tokio::io::AsyncWriteExt;
+    let setup = Setup::start("grpc", true, &[]).await;
+    let server_port = setup.server.health_port;
+    let series = |segment: &str, packet: &str| {
+        format!(
+            r#"konnectivity_network_proxy_server_stream_packets_total{{segment="{segment}",packet_type="{packet}"}}"#
+        )
+    };
+    let target = targets::blob().await;
+    let tunnel = konnectivity_client::Tunnel::connect_uds(setup.server.uds_path())
+        .await
+        .unwrap();
+    let mut stream = tunnel.dial(&target.addr.to_string()).await.unwrap();
+    let (sent, received) = targets::push(&mut stream, 1 << 20, 7).await.unwrap();
+    assert_eq!(sent, received);
+    stream.shutdown().await.unwrap();
+    drop(stream);
+    setup.assert_gauges_return_to_zero().await;
+    let text = scrape(server_port).await;
+    assert_eq!(value(&text, &series("from_client", "DIAL_REQ")), 1.0);
+    assert_eq!(value(&text, &series("to_client", "DIAL_RSP")), 1.0);
+    assert!(value(&text, &series("from_client", "DATA")) >= 1.0);
+    assert!(value(&text, &series("to_client", "DATA")) >= 1.0);
+    assert_eq!(value(&text, &series("from_client", "CLOSE_REQ")), 1.0);
 }

@@ -5,9 +5,10 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+use futures_util::FutureExt;
 use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::flow::{ReceiveGate, Refused, SendWindow};
-use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
+use konnectivity_proto::{ConnectId, DialId, Frame, Packet, PacketType};
 use tokio::sync::mpsc;
 
 use super::registry::Registry;
@@ -77,7 +78,10 @@ pub async fn run<S>(
             Some(command) = commands.recv() => session.on_command(command).await,
             packet = inbound.next() => match packet {
                 Some(Ok(packet)) => session.on_packet(packet).await,
-                Some(Err(status)) => break format!("stream error: {status}"),
+                Some(Err(status)) => {
+                    session.metrics.stream_errors.count(Segment::FromAgent, status.code(), None);
+                    break format!("stream error: {status}");
+                }
                 None => break "agent closed the stream".to_owned(),
             },
         };
@@ -152,7 +156,11 @@ impl Session {
             Err(error) => {
                 // A bad packet names no connection we could close; drop it.
                 tracing::warn!(agent_id = %self.backend.agent_id, %error, "invalid packet from agent");
-                self.metrics.stream_errors.inc();
+                self.metrics.stream_errors.count(
+                    Segment::FromAgent,
+                    tonic::Code::InvalidArgument,
+                    error.packet_type(),
+                );
                 return Ok(());
             }
         };
@@ -178,7 +186,11 @@ impl Session {
             }
             unexpected => {
                 tracing::warn!(agent_id = %self.backend.agent_id, kind = ?unexpected.kind(), "unexpected packet from agent");
-                self.metrics.stream_errors.inc();
+                self.metrics.stream_errors.count(
+                    Segment::FromAgent,
+                    tonic::Code::InvalidArgument,
+                    Some(unexpected.kind()),
+                );
             }
         }
         Ok(())
@@ -214,12 +226,12 @@ impl Session {
                         },
                     );
                 } else {
-                    self.metrics.dial_failed(DialFailure::FrontendClose);
+                    self.metrics.dial_failed(DialFailure::SendResponse);
                     self.close_on_agent(connect_id).await?;
                 }
             }
             Err(error) => {
-                self.metrics.dial_failed(DialFailure::Endpoint);
+                self.metrics.dial_failed(DialFailure::ErrorResponse);
                 let _ = pending.events.send(Event::Dialed(Err(error)));
             }
         }
@@ -236,13 +248,25 @@ impl Session {
             }
             return Ok(());
         };
-        let admitted = connection.receive_gate.admit(data.len()).await;
+        let admitted = match connection.receive_gate.admit(data.len()).now_or_never() {
+            Some(admitted) => admitted,
+            None => {
+                // An agent without flow control: the whole stream waits for
+                // this connection's frontend, as upstream's does.
+                let _blocked = GaugeGuard::new(&self.metrics.full_receive_channels("Connect"));
+                connection.receive_gate.admit(data.len()).await
+            }
+        };
         let failure = match admitted {
             Ok(()) if connection.events.send(Event::Data(data)).is_ok() => return Ok(()),
             Ok(()) | Err(Refused::Closed) => None,
             Err(overrun @ Refused::Overrun) => {
                 tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, error = %overrun, "closing connection");
-                self.metrics.stream_errors.inc();
+                self.metrics.stream_errors.count(
+                    Segment::FromAgent,
+                    tonic::Code::ResourceExhausted,
+                    Some(PacketType::Data),
+                );
                 Some(overrun.to_string())
             }
         };
@@ -259,5 +283,99 @@ impl Session {
 
     async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
         self.backend.send(frame).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::BackendId;
+    use crate::backend::strategy::Strategy;
+    use konnectivity_proto::flow::{self, SendWindow};
+    use tokio_stream::wrappers::ReceiverStream;
+
+    fn gauge(metrics: &ServerMetrics) -> i64 {
+        metrics.full_receive_channels("Connect").get()
+    }
+
+    /// With an agent that did not negotiate flow control, a connection whose
+    /// frontend stops reading holds up the agent stream, as upstream's does;
+    /// `full_receive_channels` shows it while it lasts.
+    #[tokio::test]
+    async fn a_full_connection_of_an_upstream_agent_shows_in_full_receive_channels() {
+        let metrics = Arc::new(ServerMetrics::default());
+        let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
+        let (outbound, mut to_agent) = mpsc::channel(64);
+        let (commands_tx, commands) = mpsc::channel(8);
+        let backend = Arc::new(Backend::new(
+            BackendId(1),
+            "upstream-agent".to_owned(),
+            Default::default(),
+            false,
+            false,
+            outbound,
+            commands_tx,
+            metrics.clone(),
+        ));
+        let (from_agent, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(64);
+        let session = tokio::spawn(run(
+            backend.clone(),
+            ReceiverStream::new(inbound),
+            commands,
+            registry,
+            metrics.clone(),
+        ));
+
+        let (events, mut frontend) = mpsc::unbounded_channel();
+        let (receive_gate, credit) = flow::receive_window(false);
+        let dial_id = DialId::new(7);
+        backend
+            .command(Command::Dial {
+                dial_id,
+                address: "10.0.0.1:80".to_owned(),
+                events,
+                send_window: SendWindow::new(false),
+                receive_gate,
+            })
+            .await
+            .unwrap();
+        assert!(to_agent.recv().await.is_some(), "DIAL_REQ sent");
+        let connect_id = ConnectId::new(3).unwrap();
+        let answer = Frame::DialResponse {
+            dial_id,
+            result: Ok(connect_id),
+        };
+        from_agent.send(Ok(answer.into())).await.unwrap();
+        assert!(matches!(frontend.recv().await, Some(Event::Dialed(Ok(_)))));
+
+        // 3 MiB to a frontend that reads none of it: past the 2 MiB window
+        // the session waits.
+        let chunk = bytes::Bytes::from(vec![0u8; 256 * 1024]);
+        for _ in 0..12 {
+            let data = Frame::Data {
+                connect_id,
+                data: chunk.clone(),
+            };
+            from_agent.send(Ok(data.into())).await.unwrap();
+        }
+        for _ in 0..100 {
+            if gauge(&metrics) == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(gauge(&metrics), 1, "the blocked stream is not shown");
+
+        // The frontend goes away: the wait ends and so does the gauge.
+        drop((frontend, credit));
+        for _ in 0..100 {
+            if gauge(&metrics) == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(gauge(&metrics), 0);
+        drop(from_agent);
+        session.await.unwrap();
     }
 }

@@ -6,6 +6,7 @@
 //! the HTTP CONNECT frontend uses; only the framing towards the client differs.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::{Stream, StreamExt};
@@ -16,7 +17,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::metrics::ServerMetrics;
+use crate::metrics::{Segment, ServerMetrics};
 use crate::tunnel::{DialError, Dialer, RemoteEnd, TunnelConn};
 
 /// Packets queued towards one frontend client.
@@ -46,8 +47,14 @@ impl ProxyService for ProxyServer {
         tokio::spawn(async move {
             let _open = open;
             let mut stream = ClientStream {
-                inbound: request.into_inner(),
-                to_client,
+                inbound: ClientInbound {
+                    packets: request.into_inner(),
+                    metrics: dialer.metrics.clone(),
+                },
+                outbound: ClientOutbound {
+                    to_client,
+                    metrics: dialer.metrics.clone(),
+                },
             };
             stream.serve(&dialer).await;
         });
@@ -55,34 +62,81 @@ impl ProxyService for ProxyServer {
     }
 }
 
-/// One client's Proxy stream.
+/// One client's Proxy stream, as two halves so that both directions of an
+/// established connection can wait at once.
 struct ClientStream {
-    inbound: Streaming<Packet>,
+    inbound: ClientInbound,
+    outbound: ClientOutbound,
+}
+
+/// What the client sends.
+struct ClientInbound {
+    packets: Streaming<Packet>,
+    metrics: Arc<ServerMetrics>,
+}
+
+/// What goes back to the client.
+struct ClientOutbound {
     to_client: mpsc::Sender<Packet>,
+    metrics: Arc<ServerMetrics>,
 }
 
 /// The client's stream is gone (it ended, failed, or stopped reading).
 struct ClientGone;
 
-impl ClientStream {
+/// How one direction of a relayed connection ended.
+enum RelayEnd {
+    /// Answer the client with CLOSE_RSP carrying this error, if any.
+    Close(Option<String>),
+    /// Nothing to answer: the client's stream is gone.
+    ClientGone,
+}
+
+impl ClientOutbound {
     async fn send(&self, frame: Frame) -> Result<(), ClientGone> {
+        self.metrics.packet(Segment::ToClient, frame.kind());
         self.to_client.send(frame.into()).await.map_err(|_| ClientGone)
     }
+}
 
+impl ClientInbound {
     /// The next valid frame from the client; `None` when its stream ended.
     async fn next_frame(&mut self) -> Option<Frame> {
         loop {
-            match self.inbound.next().await? {
+            match self.packets.next().await? {
                 Ok(packet) => match Frame::try_from(packet) {
-                    Ok(frame) => return Some(frame),
-                    Err(error) => tracing::warn!(%error, "invalid packet from frontend client"),
+                    Ok(frame) => {
+                        self.metrics.packet(Segment::FromClient, frame.kind());
+                        return Some(frame);
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "invalid packet from frontend client");
+                        self.metrics.stream_errors.count(
+                            Segment::FromClient,
+                            tonic::Code::InvalidArgument,
+                            error.packet_type(),
+                        );
+                    }
                 },
                 Err(status) => {
                     tracing::debug!(%status, "frontend stream failed");
+                    self.metrics
+                        .stream_errors
+                        .count(Segment::FromClient, status.code(), None);
                     return None;
                 }
             }
         }
+    }
+}
+
+impl ClientStream {
+    async fn send(&self, frame: Frame) -> Result<(), ClientGone> {
+        self.outbound.send(frame).await
+    }
+
+    async fn next_frame(&mut self) -> Option<Frame> {
+        self.inbound.next_frame().await
     }
 
     async fn serve(&mut self, dialer: &Dialer) {
@@ -155,40 +209,66 @@ impl ClientStream {
         }
     }
 
-    /// Moves bytes until either side closes. Dropping the tunnel's sender on
-    /// the way out closes the connection on the agent.
+    /// Moves bytes until either side closes. The two directions wait
+    /// independently: a client write waiting for the agent's window must not
+    /// stop bytes flowing back to the client (an echoing target would
+    /// otherwise deadlock both). Dropping the tunnel's sender on the way out
+    /// closes the connection on the agent.
     async fn relay(&mut self, connection: TunnelConn, metrics: &ServerMetrics) -> Result<(), ClientGone> {
         let connect_id = connection.connect_id;
         let (sender, mut receiver) = connection.split();
-        loop {
-            tokio::select! {
-                frame = self.next_frame() => match frame {
+        let inbound = &mut self.inbound;
+        let outbound = &self.outbound;
+        let to_agent = async {
+            loop {
+                match inbound.next_frame().await {
                     Some(Frame::Data { connect_id: id, data }) if id == connect_id => {
                         if sender.send(data).await.is_err() {
-                            return self.close(connect_id, Some("agent disconnected".to_owned())).await;
+                            return RelayEnd::Close(Some("agent disconnected".to_owned()));
                         }
                     }
-                    Some(Frame::Data { connect_id: foreign, .. }) => {
+                    Some(Frame::Data {
+                        connect_id: foreign, ..
+                    }) => {
                         // A client mixing up ids could read or write someone
                         // else's connection: end this one instead.
-                        let error = format!("DATA for connectID {foreign} on the stream of connectID {connect_id}");
+                        let error =
+                            format!("DATA for connectID {foreign} on the stream of connectID {connect_id}");
                         tracing::warn!(%error, "closing frontend stream");
-                        return self.close(connect_id, Some(error)).await;
+                        return RelayEnd::Close(Some(error));
                     }
-                    Some(Frame::CloseRequest { .. }) => return self.close(connect_id, None).await,
-                    Some(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream"),
-                    None => return Ok(()),
-                },
-                received = receiver.recv() => match received {
+                    Some(Frame::CloseRequest { .. }) => return RelayEnd::Close(None),
+                    Some(other) => {
+                        tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream")
+                    }
+                    None => return RelayEnd::ClientGone,
+                }
+            }
+        };
+        let to_client = async {
+            loop {
+                match receiver.recv().await {
                     Ok(data) => {
                         let started = Instant::now();
-                        self.send(Frame::Data { connect_id, data }).await?;
-                        metrics.frontend_write_duration.observe(started.elapsed().as_secs_f64());
+                        if outbound.send(Frame::Data { connect_id, data }).await.is_err() {
+                            return RelayEnd::ClientGone;
+                        }
+                        metrics
+                            .frontend_write_duration
+                            .observe(started.elapsed().as_secs_f64());
                     }
-                    Err(RemoteEnd::Closed) => return self.close(connect_id, None).await,
-                    Err(RemoteEnd::Failed(error)) => return self.close(connect_id, Some(error)).await,
-                },
+                    Err(RemoteEnd::Closed) => return RelayEnd::Close(None),
+                    Err(RemoteEnd::Failed(error)) => return RelayEnd::Close(Some(error)),
+                }
             }
+        };
+        let end = tokio::select! {
+            end = to_agent => end,
+            end = to_client => end,
+        };
+        match end {
+            RelayEnd::Close(error) => self.close(connect_id, error).await,
+            RelayEnd::ClientGone => Ok(()),
         }
     }
 

@@ -186,11 +186,21 @@ pub async fn push<S: AsyncRead + AsyncWrite + Unpin>(
     len: u64,
     seed: u64,
 ) -> std::io::Result<([u8; 32], [u8; 32])> {
-    stream.write_all(&header(b'P', len, seed)).await?;
-    let sent = write_pattern(stream, len, seed).await?;
+    let sent = push_without_reply(stream, len, seed).await?;
     let mut received = [0u8; 32];
     stream.read_exact(&mut received).await?;
     Ok((sent, received))
+}
+
+/// Sends a push of `len` bytes without waiting for the target's digest;
+/// returns the digest of what was sent.
+pub async fn push_without_reply<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    len: u64,
+    seed: u64,
+) -> std::io::Result<[u8; 32]> {
+    stream.write_all(&header(b'P', len, seed)).await?;
+    write_pattern(stream, len, seed).await
 }
 
 /// Pulls `len` bytes; returns the digest of what arrived. An early end of
@@ -201,6 +211,12 @@ pub async fn pull<S: AsyncRead + AsyncWrite + Unpin>(
     seed: u64,
 ) -> std::io::Result<[u8; 32]> {
     request_pull(stream, len, seed).await?;
+    read_digest(stream, len).await
+}
+
+/// Reads exactly `len` bytes and returns their SHA-256; an early end of
+/// stream is an error.
+pub async fn read_digest<S: AsyncRead + Unpin>(stream: &mut S, len: u64) -> std::io::Result<[u8; 32]> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; CHUNK];
     let mut left = len;
