@@ -2,6 +2,7 @@
 //! into one typed [`Config`].
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{ArgAction, Parser};
@@ -77,7 +78,8 @@ pub struct Args {
     /// connection and the agent reconnects. 0 turns pings off.
     #[arg(long, value_parser = parse_duration, default_value = "1h0m0s")]
     pub keepalive_time: Duration,
-    /// ServiceAccount token file for token authentication (not applied yet).
+    /// ServiceAccount token sent to the server (`authorization: Bearer`), re-read
+    /// for every connection so a rotated token is picked up.
     #[arg(long, default_value = "")]
     pub service_account_token_path: String,
     /// Keep re-syncing with servers after converging (not applied yet).
@@ -210,6 +212,8 @@ pub struct Config {
     pub server_port: u16,
     pub ca_cert: Option<PemFile>,
     pub identity: Option<Identity>,
+    /// `--service-account-token-path`.
+    pub token_path: Option<PathBuf>,
     pub alpn: Vec<Vec<u8>>,
     pub agent_id: String,
     pub identifiers: AgentIdentifiers,
@@ -294,7 +298,8 @@ impl Config {
                 format!("{:?} is not default or max", args.server_count_source),
             ));
         }
-        pem_file("service-account-token-path", &args.service_account_token_path)?;
+        let token_path =
+            pem_file("service-account-token-path", &args.service_account_token_path)?.map(|file| file.path);
         pem_file("kubeconfig", &args.kubeconfig)?;
         let node = node_config(args)?;
         let identifiers = AgentIdentifiers::parse(&args.agent_identifiers)
@@ -326,6 +331,7 @@ impl Config {
             server_port: args.proxy_server_port,
             ca_cert: pem_file("ca-cert", &args.ca_cert)?,
             identity,
+            token_path,
             alpn,
             agent_id,
             identifiers,
@@ -392,10 +398,6 @@ impl Args {
             ("xfr-channel-size", self.xfr_channel_size != 150),
             ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
             ("probe-interval", self.probe_interval != Duration::from_secs(1)),
-            (
-                "service-account-token-path",
-                !self.service_account_token_path.is_empty(),
-            ),
             ("sync-forever", self.sync_forever),
             ("count-server-leases", self.count_server_leases),
             ("lease-namespace", self.lease_namespace != "kube-system"),

@@ -105,6 +105,7 @@ pub async fn run(
         identifiers: config.identifiers.clone(),
         mark: config.node.as_ref().map(|node| node.mark),
         keepalive: config.keepalive,
+        token_path: config.token_path.clone(),
     };
     let settings = SessionSettings {
         dial_timeout: config.dial_timeout,

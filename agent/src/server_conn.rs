@@ -3,6 +3,7 @@
 //! identity in metadata and a bounded wait for the server's headers.
 
 use std::io;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +20,9 @@ use tonic::metadata::AsciiMetadataValue;
 use crate::metrics::{AgentMetrics, Segment};
 use tonic::transport::{Endpoint, Uri};
 use tonic::{Request, Streaming};
+
+/// The metadata key upstream agents send their ServiceAccount token under.
+const AUTHORIZATION: &str = "authorization";
 
 /// How long to wait for TCP + TLS + HTTP/2 set-up.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -45,6 +49,10 @@ pub enum ConnectError {
         key: &'static str,
         problem: String,
     },
+    #[error("reading the ServiceAccount token --service-account-token-path {path}: {source}", path = path.display())]
+    TokenFile { path: PathBuf, source: io::Error },
+    #[error("the ServiceAccount token in --service-account-token-path {path} is empty or not printable ASCII", path = path.display())]
+    BadToken { path: PathBuf },
     #[error("invalid {what} for metadata: {value:?}")]
     BadOwnMetadata { what: &'static str, value: String },
 }
@@ -62,6 +70,8 @@ pub struct ServerTarget {
     /// HTTP/2 ping interval (`--keepalive-time`); an unanswered ping ends the
     /// connection, so a half-dead server is left for a reconnect.
     pub keepalive: Option<Duration>,
+    /// `--service-account-token-path`, read afresh for every stream.
+    pub token_path: Option<PathBuf>,
 }
 
 /// An open AgentService stream.
@@ -86,6 +96,11 @@ impl ServerTarget {
     /// Opens a stream; `metrics` counts the packets the agent sends on it.
     pub async fn connect(&self, metrics: &Arc<AgentMetrics>) -> Result<ServerStream, ConnectError> {
         let address = self.address();
+        // Before dialing: without a token the server would refuse us anyway.
+        let authorization = match &self.token_path {
+            Some(path) => Some(bearer(path).await?),
+            None => None,
+        };
         let host = self.host.clone();
         let port = self.port;
         let mark = self.mark;
@@ -154,6 +169,9 @@ impl ServerTarget {
                 })?,
             );
         }
+        if let Some(authorization) = authorization {
+            metadata.insert(AUTHORIZATION, authorization);
+        }
         let mut client = AgentServiceClient::new(channel);
         let response = tokio::time::timeout(HEADERS_TIMEOUT, client.connect(request))
             .await
@@ -196,4 +214,25 @@ impl ServerTarget {
             outbound,
         })
     }
+}
+
+/// `Bearer <token>` from the token file, as it is now.
+async fn bearer(path: &Path) -> Result<AsciiMetadataValue, ConnectError> {
+    let token = tokio::fs::read_to_string(path)
+        .await
+        .map_err(|source| ConnectError::TokenFile {
+            path: path.to_owned(),
+            source,
+        })?;
+    let token = token.trim();
+    if token.is_empty() {
+        return Err(ConnectError::BadToken {
+            path: path.to_owned(),
+        });
+    }
+    format!("Bearer {token}")
+        .parse()
+        .map_err(|_| ConnectError::BadToken {
+            path: path.to_owned(),
+        })
 }

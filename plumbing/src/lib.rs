@@ -5,6 +5,7 @@
 pub mod flags;
 pub mod http;
 pub mod klog;
+pub mod kube;
 pub mod logging;
 pub mod metrics;
 pub mod net;

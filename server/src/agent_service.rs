@@ -21,6 +21,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::backend::registry::Registry;
 use crate::backend::{Backend, BackendId, session};
 use crate::metrics::ServerMetrics;
+use crate::token_auth::TokenAuthenticator;
 
 /// Packets queued towards one agent; bounds memory per agent stream
 /// (at most this many DATA packets of up to 64 KiB each).
@@ -35,6 +36,8 @@ pub struct AgentServer {
     server_count: AsciiMetadataValue,
     next_backend: AtomicU64,
     control_plane_ids: Vec<String>,
+    /// Set when agents authenticate by ServiceAccount token.
+    token_auth: Option<TokenAuthenticator>,
 }
 
 impl AgentServer {
@@ -44,6 +47,7 @@ impl AgentServer {
         server_id: &str,
         server_count: u32,
         control_plane_ids: Vec<String>,
+        token_auth: Option<TokenAuthenticator>,
     ) -> Result<Self, String> {
         Ok(AgentServer {
             registry,
@@ -54,6 +58,7 @@ impl AgentServer {
             server_count: server_count.to_string().parse().expect("digits are ASCII"),
             next_backend: AtomicU64::new(1),
             control_plane_ids,
+            token_auth,
         })
     }
 }
@@ -101,6 +106,15 @@ impl AgentService for AgentServer {
     ) -> Result<Response<Self::ConnectStream>, Status> {
         let agent_id = exactly_one(request.metadata(), AGENT_ID)?.to_owned();
         let identifiers = identifiers(request.metadata())?;
+        if let Some(token_auth) = &self.token_auth {
+            match token_auth.authenticate(request.metadata()).await {
+                Ok(username) => tracing::debug!(%agent_id, %username, "agent authenticated by token"),
+                Err(refused) => {
+                    tracing::warn!(%agent_id, error = refused.message(), "agent refused");
+                    return Err(refused);
+                }
+            }
+        }
         let control_plane = self.control_plane_ids.contains(&agent_id);
         let flow_control = request
             .metadata()

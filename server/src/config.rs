@@ -11,10 +11,12 @@ use konnectivity_plumbing::flags::{
     GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
 };
 use konnectivity_plumbing::klog::KlogArgs;
+use konnectivity_plumbing::kube::KubeEndpoint;
 use konnectivity_plumbing::tls::{Identity, PemFile};
 
 use crate::backend::strategy::{Strategy, parse_strategies};
 use crate::policy::{AllowedDestination, parse_allowed};
+use crate::token_auth::AllowedAgents;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -114,16 +116,18 @@ pub struct Args {
     /// before exiting (0: exit at once).
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub graceful_shutdown_timeout: Duration,
-    /// Namespace of agents' ServiceAccount for token authentication (not applied yet).
+    /// Authenticate agents by ServiceAccount token instead of client certificate:
+    /// the namespace of their ServiceAccount (with --agent-service-account and
+    /// --authentication-audience; excludes --cluster-ca-cert).
     #[arg(long, default_value = "")]
     pub agent_namespace: String,
-    /// Agents' ServiceAccount for token authentication (not applied yet).
+    /// The ServiceAccount agents' tokens must belong to.
     #[arg(long, default_value = "")]
     pub agent_service_account: String,
-    /// Audience of agents' tokens (not applied yet).
+    /// The audience agents' tokens must be issued for (checked by TokenReview).
     #[arg(long, default_value = "")]
     pub authentication_audience: String,
-    /// kubeconfig for TokenReview and leases (not applied yet).
+    /// kubeconfig for TokenReviews; empty uses the pod's ServiceAccount.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     #[arg(long, default_value_t = 0.0)]
@@ -226,6 +230,16 @@ pub struct Config {
     pub node_frontend: Option<NodeFrontend>,
     /// Agent ids that are control-plane agents (bound to their certificates).
     pub control_plane_agent_ids: Vec<String>,
+    /// Agents authenticate by ServiceAccount token rather than certificate.
+    pub agent_auth: Option<AgentTokenAuth>,
+}
+
+/// `--agent-namespace` & co.: whom to admit, and the kube-apiserver that
+/// reviews the tokens.
+#[derive(Clone, Debug)]
+pub struct AgentTokenAuth {
+    pub allowed: AllowedAgents,
+    pub kube: KubeEndpoint,
 }
 
 /// Which TLS versions the listeners offer (`--tls-min-version`).
@@ -349,7 +363,20 @@ impl Config {
                 }
             }
         }
-        pem_file("kubeconfig", &args.kubeconfig)?;
+        let agent_auth = if token_auth.iter().any(|v| !v.is_empty()) {
+            let kube = KubeEndpoint::from_flag(&args.kubeconfig)
+                .map_err(|e| invalid("kubeconfig", e.to_string()))?;
+            Some(AgentTokenAuth {
+                allowed: AllowedAgents {
+                    namespace: args.agent_namespace.clone(),
+                    service_account: args.agent_service_account.clone(),
+                    audience: args.authentication_audience.clone(),
+                },
+                kube,
+            })
+        } else {
+            None
+        };
         let tls_versions = tls_versions(&args.tls_min_version)?;
         let node_frontend = node_frontend(args)?;
         let control_plane_agent_ids = args.control_plane_agent_ids.0.clone();
@@ -390,6 +417,7 @@ impl Config {
             tls_versions,
             node_frontend,
             control_plane_agent_ids,
+            agent_auth,
         })
     }
 }
@@ -452,13 +480,11 @@ impl Args {
                 self.frontend_write_channel_size != 10,
             ),
             ("xfr-channel-size", self.xfr_channel_size != 10),
-            ("agent-namespace", !self.agent_namespace.is_empty()),
-            ("agent-service-account", !self.agent_service_account.is_empty()),
+            // Without token authentication nothing else here reads it.
             (
-                "authentication-audience",
-                !self.authentication_audience.is_empty(),
+                "kubeconfig",
+                !self.kubeconfig.is_empty() && self.agent_namespace.is_empty(),
             ),
-            ("kubeconfig", !self.kubeconfig.is_empty()),
             ("kubeconfig-qps", self.kubeconfig_qps != 0.0),
             ("kubeconfig-burst", self.kubeconfig_burst != 0),
             (

@@ -11,6 +11,7 @@ pub mod frontend;
 pub mod health;
 pub mod metrics;
 pub mod policy;
+pub mod token_auth;
 pub mod tunnel;
 
 use std::future::Future;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use konnectivity_plumbing::kube::KubeClient;
 use konnectivity_plumbing::tls::{self, TlsError};
 use konnectivity_proto::wire::agent_service_server::AgentServiceServer;
 use konnectivity_proto::wire::proxy_service_server::ProxyServiceServer;
@@ -34,6 +36,7 @@ use crate::frontend::{connect, listen};
 use crate::health::ServerEndpoints;
 use crate::metrics::ServerMetrics;
 use crate::policy::FrontendClass;
+use crate::token_auth::TokenAuthenticator;
 use crate::tunnel::Dialer;
 
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +123,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         &config.server_id,
         config.server_count,
         config.control_plane_agent_ids.clone(),
+        config
+            .agent_auth
+            .as_ref()
+            .map(|auth| TokenAuthenticator::new(KubeClient::new(auth.kube.clone()), auth.allowed.clone())),
     )
     .map_err(ServeError::Config)?;
     let agent_server = grpc_server(config.keepalive)

@@ -254,26 +254,11 @@ async fn tcp_clients_without_a_trusted_certificate_are_refused_at_the_handshake(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_streams_without_agentid_are_refused() {
-    use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
-
     let dir = TempDir::new("konn-egress");
     let pki = Pki::new(dir.path());
     let server = Server::start(dir.path(), &pki, "http-connect", false, &[]).await;
     let tls = pki.client_tls(Some(&pki.agent), &[b"h2"]);
-    let port = server.agent_port;
-    let channel = tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let tls = tls.clone();
-            async move {
-                let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-                let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
-                let stream = tokio_rustls::TlsConnector::from(tls).connect(name, tcp).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
-        .await
-        .unwrap();
-    let mut client = AgentServiceClient::new(channel);
+    let mut client = support::grpc::agent_client(server.agent_port, tls).await;
     let status = client
         .connect(tokio_stream::pending::<konnectivity_proto::Packet>())
         .await

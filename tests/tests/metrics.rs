@@ -127,7 +127,7 @@ async fn upstream_metrics_exist_and_move_with_traffic() {
 /// The gRPC frontend's legs are counted as upstream's server counts them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_frontend_packets_are_counted_by_client_segment() {
-    use tokio::io::AsyncWriteExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let setup = Setup::start("grpc", true, &[]).await;
     let server_port = setup.server.health_port;
     let series = |segment: &str, packet: &str| {
@@ -143,6 +143,11 @@ async fn grpc_frontend_packets_are_counted_by_client_segment() {
     let (sent, received) = targets::push(&mut stream, 1 << 20, 7).await.unwrap();
     assert_eq!(sent, received);
     stream.shutdown().await.unwrap();
+    // The server's CLOSE_RSP ends the stream: only then is our CLOSE_REQ
+    // sure to have arrived (dropping earlier may cancel the call first).
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty());
     drop(stream);
     setup.assert_gauges_return_to_zero().await;
     let text = scrape(server_port).await;
@@ -151,4 +156,5 @@ async fn grpc_frontend_packets_are_counted_by_client_segment() {
     assert!(value(&text, &series("from_client", "DATA")) >= 1.0);
     assert!(value(&text, &series("to_client", "DATA")) >= 1.0);
     assert_eq!(value(&text, &series("from_client", "CLOSE_REQ")), 1.0);
+    assert_eq!(value(&text, &series("to_client", "CLOSE_RSP")), 1.0);
 }

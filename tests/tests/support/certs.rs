@@ -126,6 +126,24 @@ impl Pki {
         }
     }
 
+    /// A rustls server config presenting `identity` (no client certificates).
+    pub fn server_tls(&self, identity: &CertFiles) -> Arc<rustls::ServerConfig> {
+        let config =
+            rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_no_client_auth()
+                .with_single_cert(
+                    CertificateDer::pem_file_iter(&identity.cert)
+                        .unwrap()
+                        .map(Result::unwrap)
+                        .collect(),
+                    PrivateKeyDer::from_pem_file(&identity.key).unwrap(),
+                )
+                .unwrap();
+        Arc::new(config)
+    }
+
     /// A rustls client config trusting the test CA, presenting `identity`.
     pub fn client_tls(&self, identity: Option<&CertFiles>, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> {
         let mut roots = rustls::RootCertStore::empty();

@@ -7,11 +7,13 @@
 pub mod certs;
 pub mod cluster;
 pub mod connect;
+pub mod grpc;
 pub mod kas;
 pub mod netns;
 pub mod procs;
 pub mod scrape;
 pub mod targets;
+pub mod token_review;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};

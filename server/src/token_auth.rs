@@ -1,0 +1,340 @@
+//! Agent authentication by ServiceAccount token (upstream's
+//! `--agent-namespace`, `--agent-service-account`, `--authentication-audience`):
+//! the agent sends `authorization: Bearer <token>` on its stream, a
+//! TokenReview asks kube-apiserver whose token it is, and only the configured
+//! ServiceAccount is admitted.
+//!
+//! Answers are cached for a short while by the token's SHA-256, and
+//! concurrent lookups of one token share one review: a fleet of agents
+//! reconnecting at once (they share the ServiceAccount, and often the
+//! token's audience and lifetime) costs kube-apiserver a handful of reviews,
+//! not one per stream.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use konnectivity_plumbing::kube::{KubeClient, KubeError};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::OnceCell;
+use tonic::Status;
+use tonic::metadata::MetadataMap;
+
+/// The metadata key and scheme upstream agents send their token with.
+pub const AUTHORIZATION: &str = "authorization";
+const BEARER: &str = "Bearer ";
+const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
+/// How long kube-apiserver's answer about one token is reused.
+pub const CACHE_TTL: Duration = Duration::from_secs(10);
+/// Distinct tokens remembered at most; past it, expired answers are dropped
+/// and, if that is not enough, all of them (a flood of junk tokens must not
+/// grow memory).
+const CACHE_MAX: usize = 4096;
+
+/// Who may connect as an agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllowedAgents {
+    pub namespace: String,
+    pub service_account: String,
+    pub audience: String,
+}
+
+/// Why a token was not admitted, as kube-apiserver's answer showed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Denied {
+    #[error("token review failed: {0}")]
+    ReviewError(String),
+    #[error("token not valid (TokenReview: not authenticated)")]
+    NotAuthenticated,
+    #[error("token belongs to {0:?}, which is not a ServiceAccount")]
+    NotServiceAccount(String),
+    #[error(
+        "token belongs to ServiceAccount {namespace}/{name}; agents must be in namespace {expected:?} (--agent-namespace)"
+    )]
+    WrongNamespace {
+        namespace: String,
+        name: String,
+        expected: String,
+    },
+    #[error(
+        "token belongs to ServiceAccount {namespace}/{name}; agents must be ServiceAccount {expected:?} (--agent-service-account)"
+    )]
+    WrongServiceAccount {
+        namespace: String,
+        name: String,
+        expected: String,
+    },
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct TokenReview<'a> {
+    api_version: &'static str,
+    kind: &'static str,
+    spec: ReviewSpec<'a>,
+}
+
+#[derive(Serialize)]
+struct ReviewSpec<'a> {
+    token: &'a str,
+    audiences: [&'a str; 1],
+}
+
+#[derive(Deserialize)]
+struct ReviewAnswer {
+    #[serde(default)]
+    status: ReviewStatus,
+}
+
+#[derive(Deserialize, Default)]
+struct ReviewStatus {
+    #[serde(default)]
+    authenticated: bool,
+    #[serde(default)]
+    user: ReviewUser,
+    #[serde(default)]
+    error: String,
+}
+
+#[derive(Deserialize, Default)]
+struct ReviewUser {
+    #[serde(default)]
+    username: String,
+}
+
+type Verdict = Result<String, Denied>;
+
+struct CacheEntry {
+    created: Instant,
+    verdict: OnceCell<Verdict>,
+}
+
+pub struct TokenAuthenticator {
+    kube: KubeClient,
+    allowed: AllowedAgents,
+    cache: Mutex<HashMap<[u8; 32], Arc<CacheEntry>>>,
+}
+
+impl TokenAuthenticator {
+    pub fn new(kube: KubeClient, allowed: AllowedAgents) -> Self {
+        TokenAuthenticator {
+            kube,
+            allowed,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Checks an agent stream's token; the error is what the agent sees.
+    /// Returns the ServiceAccount's user name.
+    pub async fn authenticate(&self, metadata: &MetadataMap) -> Result<String, Status> {
+        let token = bearer_token(metadata)?;
+        match self.review(token).await {
+            Ok(Ok(username)) => Ok(username),
+            Ok(Err(denied)) => Err(Status::unauthenticated(format!("agent token refused: {denied}"))),
+            Err(error) => Err(Status::unavailable(format!(
+                "cannot verify the agent's token: {}",
+                konnectivity_plumbing::error_chain(&error)
+            ))),
+        }
+    }
+
+    /// kube-apiserver's verdict on `token`, from the cache when fresh.
+    /// Transport failures are not cached: the next stream asks again.
+    async fn review(&self, token: &str) -> Result<Verdict, KubeError> {
+        let entry = self.cache_entry(Sha256::digest(token.as_bytes()).into());
+        entry
+            .verdict
+            .get_or_try_init(|| async {
+                let request = TokenReview {
+                    api_version: "authentication.k8s.io/v1",
+                    kind: "TokenReview",
+                    spec: ReviewSpec {
+                        token,
+                        audiences: [&self.allowed.audience],
+                    },
+                };
+                let answer: ReviewAnswer = self.kube.post(TOKEN_REVIEWS, &request).await?;
+                Ok(judge(&answer.status, &self.allowed))
+            })
+            .await
+            .cloned()
+    }
+
+    fn cache_entry(&self, key: [u8; 32]) -> Arc<CacheEntry> {
+        let mut cache = self.cache.lock().expect("cache lock");
+        let now = Instant::now();
+        if let Some(entry) = cache.get(&key)
+            && now.duration_since(entry.created) < CACHE_TTL
+        {
+            return entry.clone();
+        }
+        if cache.len() >= CACHE_MAX {
+            cache.retain(|_, entry| now.duration_since(entry.created) < CACHE_TTL);
+            if cache.len() >= CACHE_MAX {
+                cache.clear();
+            }
+        }
+        let entry = Arc::new(CacheEntry {
+            created: now,
+            verdict: OnceCell::new(),
+        });
+        cache.insert(key, entry.clone());
+        entry
+    }
+}
+
+/// The token of `authorization: Bearer <token>`, which must appear once.
+fn bearer_token(metadata: &MetadataMap) -> Result<&str, Status> {
+    let mut values = metadata.get_all(AUTHORIZATION).iter();
+    let value = match (values.next(), values.next()) {
+        (Some(value), None) => value,
+        (None, _) => {
+            return Err(Status::unauthenticated(
+                "agent token missing: this server authenticates agents by ServiceAccount token \
+                 (--agent-namespace) and the stream carries no \"authorization\" metadata; \
+                 start the agent with --service-account-token-path",
+            ));
+        }
+        (Some(_), Some(_)) => {
+            return Err(Status::unauthenticated(
+                "more than one \"authorization\" metadata value: an agent must send exactly one token",
+            ));
+        }
+    };
+    let text = value
+        .to_str()
+        .map_err(|_| Status::unauthenticated("\"authorization\" metadata is not ASCII"))?;
+    let token = text.strip_prefix(BEARER).ok_or_else(|| {
+        Status::unauthenticated(format!("\"authorization\" metadata must start with {BEARER:?}"))
+    })?;
+    if token.trim().is_empty() {
+        return Err(Status::unauthenticated(
+            "\"authorization\" metadata carries an empty token",
+        ));
+    }
+    Ok(token.trim())
+}
+
+/// Upstream's checks on a TokenReview's status, in its order.
+fn judge(status: &ReviewStatus, allowed: &AllowedAgents) -> Verdict {
+    if !status.error.is_empty() {
+        return Err(Denied::ReviewError(status.error.clone()));
+    }
+    if !status.authenticated {
+        return Err(Denied::NotAuthenticated);
+    }
+    let username = &status.user.username;
+    // A ServiceAccount's user name is system:serviceaccount:NAMESPACE:NAME.
+    let parts: Vec<&str> = username.split(':').collect();
+    let (namespace, name) = match parts.as_slice() {
+        ["system", "serviceaccount", namespace, name] => (*namespace, *name),
+        _ => return Err(Denied::NotServiceAccount(username.clone())),
+    };
+    if namespace != allowed.namespace {
+        return Err(Denied::WrongNamespace {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            expected: allowed.namespace.clone(),
+        });
+    }
+    if name != allowed.service_account {
+        return Err(Denied::WrongServiceAccount {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            expected: allowed.service_account.clone(),
+        });
+    }
+    Ok(username.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allowed() -> AllowedAgents {
+        AllowedAgents {
+            namespace: "kube-system".to_owned(),
+            service_account: "konnectivity-agent".to_owned(),
+            audience: "system:konnectivity-server".to_owned(),
+        }
+    }
+
+    fn status(authenticated: bool, username: &str, error: &str) -> ReviewStatus {
+        ReviewStatus {
+            authenticated,
+            user: ReviewUser {
+                username: username.to_owned(),
+            },
+            error: error.to_owned(),
+        }
+    }
+
+    #[test]
+    fn only_the_configured_service_account_is_admitted() {
+        let admitted = "system:serviceaccount:kube-system:konnectivity-agent";
+        assert_eq!(
+            judge(&status(true, admitted, ""), &allowed()),
+            Ok(admitted.to_owned())
+        );
+        assert_eq!(
+            judge(&status(false, "", "token expired"), &allowed()),
+            Err(Denied::ReviewError("token expired".to_owned()))
+        );
+        assert_eq!(
+            judge(&status(false, "", ""), &allowed()),
+            Err(Denied::NotAuthenticated)
+        );
+        for user in [
+            "alice",
+            "system:node:n1",
+            "system:serviceaccount:kube-system",
+            "system:serviceaccount:kube-system:konnectivity-agent:extra",
+        ] {
+            assert_eq!(
+                judge(&status(true, user, ""), &allowed()),
+                Err(Denied::NotServiceAccount(user.to_owned())),
+                "{user}"
+            );
+        }
+        let wrong_ns = judge(
+            &status(true, "system:serviceaccount:default:konnectivity-agent", ""),
+            &allowed(),
+        );
+        assert!(
+            matches!(wrong_ns, Err(Denied::WrongNamespace { .. })),
+            "{wrong_ns:?}"
+        );
+        let wrong_sa = judge(
+            &status(true, "system:serviceaccount:kube-system:default", ""),
+            &allowed(),
+        );
+        assert_eq!(
+            wrong_sa.unwrap_err().to_string(),
+            "token belongs to ServiceAccount kube-system/default; agents must be ServiceAccount \
+             \"konnectivity-agent\" (--agent-service-account)"
+        );
+    }
+
+    #[test]
+    fn the_token_must_come_once_as_a_bearer_token() {
+        let mut metadata = MetadataMap::new();
+        let missing = bearer_token(&metadata).unwrap_err();
+        assert_eq!(missing.code(), tonic::Code::Unauthenticated);
+        assert!(
+            missing.message().contains("--service-account-token-path"),
+            "{missing:?}"
+        );
+        metadata.insert(AUTHORIZATION, "Basic abc".parse().unwrap());
+        assert!(bearer_token(&metadata).unwrap_err().message().contains("Bearer"));
+        metadata.insert(AUTHORIZATION, "Bearer tok.en".parse().unwrap());
+        assert_eq!(bearer_token(&metadata).unwrap(), "tok.en");
+        metadata.append(AUTHORIZATION, "Bearer other".parse().unwrap());
+        assert!(
+            bearer_token(&metadata)
+                .unwrap_err()
+                .message()
+                .contains("more than one")
+        );
+    }
+}

@@ -1,0 +1,184 @@
+//! Agents authenticated by ServiceAccount token instead of a client
+//! certificate: proxy-server asks a stand-in kube-apiserver (HTTPS,
+//! `authentication.k8s.io/v1` TokenReview) whose token an agent sent.
+
+mod support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use support::TempDir;
+use support::certs::Pki;
+use support::connect::via_uds;
+use support::procs::{Agent, Server};
+use support::scrape::metric;
+use support::targets;
+use support::token_review::TokenReviewer;
+use tonic::metadata::MetadataValue;
+
+const AUDIENCE: &str = "system:konnectivity-server";
+const AGENT_USER: &str = "system:serviceaccount:kube-system:konnectivity-agent";
+const GOOD: &str = "agent-token";
+const CACHED: &str = "agent-token-for-the-storm";
+const OTHER_SA: &str = "someone-elses-token";
+const OTHER_NS: &str = "wrong-namespace-token";
+const INVALID: &str = "forged-token";
+
+async fn start(dir: &Path, pki: &Pki) -> (TokenReviewer, Server) {
+    let reviewer = TokenReviewer::start(
+        pki,
+        AUDIENCE,
+        &[
+            (GOOD, AGENT_USER),
+            (CACHED, AGENT_USER),
+            (OTHER_SA, "system:serviceaccount:kube-system:someone-else"),
+            (OTHER_NS, "system:serviceaccount:default:konnectivity-agent"),
+        ],
+    )
+    .await;
+    let kubeconfig = reviewer.kubeconfig(dir, pki);
+    let server = Server::start(
+        dir,
+        pki,
+        "http-connect",
+        true,
+        &[
+            // No client certificates: the token is the agent's credential.
+            "--cluster-ca-cert=".to_owned(),
+            "--agent-namespace=kube-system".to_owned(),
+            "--agent-service-account=konnectivity-agent".to_owned(),
+            format!("--authentication-audience={AUDIENCE}"),
+            format!("--kubeconfig={}", kubeconfig.display()),
+        ],
+    )
+    .await;
+    (reviewer, server)
+}
+
+/// Plays an agent with `token` (none when `None`) and returns how the
+/// server answered the stream.
+async fn connect_with(server: &Server, pki: &Pki, token: Option<&str>) -> Result<(), tonic::Status> {
+    let mut client = support::grpc::agent_client(server.agent_port, pki.client_tls(None, &[b"h2"])).await;
+    let mut request = tonic::Request::new(tokio_stream::pending::<konnectivity_proto::Packet>());
+    request
+        .metadata_mut()
+        .insert("agentid", MetadataValue::from_static("played-agent"));
+    if let Some(token) = token {
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    client.connect(request).await.map(drop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_with_its_service_account_token_is_admitted_and_tunnels() {
+    let dir = TempDir::new("konn-token");
+    let pki = Pki::new(dir.path());
+    let (reviewer, server) = start(dir.path(), &pki).await;
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, format!("{GOOD}\n")).unwrap();
+    let _agent = Agent::start(
+        dir.path(),
+        &pki,
+        server.agent_port,
+        "token-agent",
+        &[
+            "--agent-cert=".to_owned(),
+            "--agent-key=".to_owned(),
+            format!("--service-account-token-path={}", token_file.display()),
+        ],
+    );
+    server.wait_backends(1).await;
+    assert!(reviewer.reviews_of(GOOD) >= 1);
+
+    let target = targets::blob().await;
+    let mut tunnel = via_uds(server.uds_path(), &target.addr.to_string())
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+    let (sent, received) = targets::push(&mut tunnel, 4 << 20, 5).await.unwrap();
+    assert_eq!(sent, received);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_wrong_and_forged_tokens_are_refused_with_clear_errors() {
+    let dir = TempDir::new("konn-token");
+    let pki = Pki::new(dir.path());
+    let (reviewer, server) = start(dir.path(), &pki).await;
+
+    let missing = connect_with(&server, &pki, None).await.unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::Unauthenticated, "{missing:?}");
+    assert!(
+        missing.message().contains("--service-account-token-path"),
+        "{missing:?}"
+    );
+
+    let other_sa = connect_with(&server, &pki, Some(OTHER_SA)).await.unwrap_err();
+    assert_eq!(other_sa.code(), tonic::Code::Unauthenticated, "{other_sa:?}");
+    assert!(
+        other_sa
+            .message()
+            .contains("ServiceAccount kube-system/someone-else")
+            && other_sa.message().contains("--agent-service-account"),
+        "{other_sa:?}"
+    );
+
+    let other_ns = connect_with(&server, &pki, Some(OTHER_NS)).await.unwrap_err();
+    assert!(other_ns.message().contains("--agent-namespace"), "{other_ns:?}");
+
+    let forged = connect_with(&server, &pki, Some(INVALID)).await.unwrap_err();
+    assert!(forged.message().contains("invalid bearer token"), "{forged:?}");
+    assert_eq!(reviewer.reviews_of(INVALID), 1);
+
+    assert_eq!(
+        metric(
+            server.health_port,
+            "konnectivity_network_proxy_server_ready_backend_connections"
+        )
+        .await,
+        Some(0.0),
+        "a refused agent must not be registered"
+    );
+
+    // A real agent with a refused token keeps retrying, and re-reads its
+    // token file each time: once the file holds a valid token, it connects.
+    let token_file = dir.path().join("token");
+    std::fs::write(&token_file, OTHER_SA).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &pki,
+        server.agent_port,
+        "retrying-agent",
+        &[
+            "--agent-cert=".to_owned(),
+            "--agent-key=".to_owned(),
+            format!("--service-account-token-path={}", token_file.display()),
+        ],
+    );
+    support::wait_until(
+        Duration::from_secs(10),
+        "the agent to log its refusal",
+        || async { agent.proc.log_text().contains("agent token refused") },
+    )
+    .await;
+    std::fs::write(&token_file, GOOD).unwrap();
+    server.wait_backends(1).await;
+}
+
+/// A reconnect storm: many streams with one token cost one review.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_storm_costs_kube_apiserver_one_review() {
+    let dir = TempDir::new("konn-token");
+    let pki = Pki::new(dir.path());
+    let (reviewer, server) = start(dir.path(), &pki).await;
+    let storm = (0..40).map(|_| connect_with(&server, &pki, Some(CACHED)));
+    for result in futures_util::future::join_all(storm).await {
+        result.expect("admitted");
+    }
+    assert_eq!(
+        reviewer.reviews_of(CACHED),
+        1,
+        "answers must be cached and shared"
+    );
+}
