@@ -70,7 +70,8 @@ pub struct Args {
     /// Bind address of the admin listener.
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
-    /// Interval of readiness probes of each server connection (not applied yet).
+    /// How often each connection to a konnectivity-rs server is probed; one that
+    /// leaves a probe unanswered for 5s is dropped and redialed.
     #[arg(long, value_parser = parse_duration, default_value = "1s")]
     pub probe_interval: Duration,
     /// Interval of HTTP/2 keepalive pings to the server, at least 30s (upstream servers
@@ -82,7 +83,8 @@ pub struct Args {
     /// for every connection so a rotated token is picked up.
     #[arg(long, default_value = "")]
     pub service_account_token_path: String,
-    /// Keep re-syncing with servers after converging (not applied yet).
+    /// After converging, keep the server count current (from probes of held servers)
+    /// and dial the address every --sync-interval-cap to meet servers counting differently.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub sync_forever: bool,
@@ -219,6 +221,10 @@ pub struct Config {
     pub identifiers: AgentIdentifiers,
     pub sync_interval: Duration,
     pub sync_interval_cap: Duration,
+    /// `--probe-interval`.
+    pub probe_interval: Duration,
+    /// `--sync-forever`.
+    pub sync_forever: bool,
     pub health_addr: SocketAddr,
     pub dial_timeout: Duration,
     /// `--keepalive-time`, raised to [`MIN_KEEPALIVE`]; `None` is off.
@@ -337,6 +343,8 @@ impl Config {
             identifiers,
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
+            probe_interval: args.probe_interval,
+            sync_forever: args.sync_forever,
             health_addr: SocketAddr::new(health_ip, args.health_server_port),
             dial_timeout: args.dial_timeout,
             keepalive: (!args.keepalive_time.is_zero()).then(|| args.keepalive_time.max(MIN_KEEPALIVE)),
@@ -397,8 +405,6 @@ impl Args {
             ("admin-server-port", self.admin_server_port != 8094),
             ("xfr-channel-size", self.xfr_channel_size != 150),
             ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
-            ("probe-interval", self.probe_interval != Duration::from_secs(1)),
-            ("sync-forever", self.sync_forever),
             ("count-server-leases", self.count_server_leases),
             ("lease-namespace", self.lease_namespace != "kube-system"),
             ("lease-label", self.lease_label != "k8s-app=konnectivity-server"),

@@ -116,9 +116,15 @@ pub async fn run(
     // On a worker thread of its own rather than in the caller's block_on:
     // every packet wakes this task, and workers wake each other cheaply.
     let backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
+    let sync = servers::SyncSettings {
+        probe_interval: config.probe_interval,
+        sync_forever: config.sync_forever,
+        rediscover_every: config.sync_interval_cap,
+    };
     let mut egress = AbortOnDrop(tokio::spawn(servers::serve(
         target,
         settings,
+        sync,
         metrics.clone(),
         drain,
         backoff,

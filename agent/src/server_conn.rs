@@ -9,16 +9,16 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
-use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
+use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
 use konnectivity_proto::{AgentIdentifiers, Packet, PacketType, flow};
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::metadata::AsciiMetadataValue;
+use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
 use crate::metrics::{AgentMetrics, Segment};
-use tonic::transport::{Endpoint, Uri};
+use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Request, Streaming};
 
 /// The metadata key upstream agents send their ServiceAccount token under.
@@ -31,6 +31,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
 /// Packets queued towards the server on one stream.
 const OUTBOUND_QUEUE: usize = 256;
+/// How long a probed server may take to answer before its connection is
+/// given up. Generous: a busy server answers in milliseconds, and a false
+/// alarm costs every tunnel on the connection.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -41,8 +45,8 @@ pub enum ConnectError {
     },
     #[error("proxy-server {address} refused the agent stream: {status}")]
     Refused { address: String, status: tonic::Status },
-    #[error("proxy-server {address} sent no response headers within {HEADERS_TIMEOUT:?}")]
-    HeadersTimeout { address: String },
+    #[error("proxy-server {address} sent no response headers within {limit:?}")]
+    HeadersTimeout { address: String, limit: Duration },
     #[error("proxy-server {address} sent bad {key:?} metadata: {problem}")]
     BadMetadata {
         address: String,
@@ -80,8 +84,17 @@ pub struct ServerStream {
     pub server_count: u32,
     pub inbound: Streaming<Packet>,
     pub outbound: mpsc::Sender<Packet>,
-    /// The server agreed to per-connection flow control ([`flow`]).
+    /// The server agreed to per-connection flow control ([`flow`]); it is
+    /// then one of ours, which also answers probes.
     pub flow_control: bool,
+    /// The connection the stream runs on, for probes.
+    pub channel: Channel,
+}
+
+/// What a probe learned: the connection answers, and the server's count now.
+#[derive(Debug, Clone, Copy)]
+pub struct ProbeAnswer {
+    pub server_count: u32,
 }
 
 impl ServerTarget {
@@ -93,14 +106,49 @@ impl ServerTarget {
         }
     }
 
-    /// Opens a stream; `metrics` counts the packets the agent sends on it.
+    /// Opens a stream on a new connection; `metrics` counts the packets the
+    /// agent sends on it.
     pub async fn connect(&self, metrics: &Arc<AgentMetrics>) -> Result<ServerStream, ConnectError> {
-        let address = self.address();
         // Before dialing: without a token the server would refuse us anyway.
-        let authorization = match &self.token_path {
-            Some(path) => Some(bearer(path).await?),
-            None => None,
-        };
+        let metadata = self.metadata(false).await?;
+        let channel = self.dial().await?;
+        let (outbound, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
+        let sent = metrics.clone();
+        let packets = ReceiverStream::new(outbound_rx).inspect(move |packet: &Packet| {
+            if let Ok(kind) = PacketType::try_from(packet.r#type) {
+                sent.packet(Segment::FromAgent, kind);
+            }
+        });
+        let response = self.call(&channel, metadata, packets, HEADERS_TIMEOUT).await?;
+        let headers = self.headers(response.metadata())?;
+        Ok(ServerStream {
+            server_id: headers.server_id,
+            server_count: headers.server_count,
+            flow_control: headers.flow_control,
+            inbound: response.into_inner(),
+            outbound,
+            channel,
+        })
+    }
+
+    /// Checks that the server behind `channel` still answers, without a new
+    /// connection: a probe stream gets the usual headers back and ends. Only
+    /// for servers that negotiated flow control (ours); upstream servers
+    /// would register the probe as an agent stream.
+    pub async fn probe(&self, channel: &Channel) -> Result<ProbeAnswer, ConnectError> {
+        let metadata = self.metadata(true).await?;
+        let response = self
+            .call(channel, metadata, tokio_stream::empty::<Packet>(), PROBE_TIMEOUT)
+            .await?;
+        let headers = self.headers(response.metadata())?;
+        Ok(ProbeAnswer {
+            server_count: headers.server_count,
+        })
+    }
+
+    /// TCP, TLS and HTTP/2 to the server's address.
+    async fn dial(&self) -> Result<Channel, ConnectError> {
+        let address = self.address();
         let host = self.host.clone();
         let port = self.port;
         let mark = self.mark;
@@ -123,7 +171,7 @@ impl ServerTarget {
                 .keep_alive_while_idle(true),
             None => endpoint,
         };
-        let channel = endpoint
+        endpoint
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let host = host.clone();
                 let connector = connector.clone();
@@ -137,20 +185,13 @@ impl ServerTarget {
                 }
             }))
             .await
-            .map_err(|source| ConnectError::Transport {
-                address: address.clone(),
-                source,
-            })?;
+            .map_err(|source| ConnectError::Transport { address, source })
+    }
 
-        let (outbound, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let sent = metrics.clone();
-        let packets = ReceiverStream::new(outbound_rx).inspect(move |packet: &Packet| {
-            if let Ok(kind) = PacketType::try_from(packet.r#type) {
-                sent.packet(Segment::FromAgent, kind);
-            }
-        });
-        let mut request = Request::new(packets);
-        let metadata = request.metadata_mut();
+    /// The metadata of every stream we open: identity, identifiers, the
+    /// flow-control offer, the token, and the probe marker for probes.
+    async fn metadata(&self, probe: bool) -> Result<MetadataMap, ConnectError> {
+        let mut metadata = MetadataMap::new();
         metadata.insert(
             AGENT_ID,
             self.agent_id.parse().map_err(|_| ConnectError::BadOwnMetadata {
@@ -169,32 +210,52 @@ impl ServerTarget {
                 })?,
             );
         }
-        if let Some(authorization) = authorization {
-            metadata.insert(AUTHORIZATION, authorization);
+        if let Some(path) = &self.token_path {
+            metadata.insert(AUTHORIZATION, bearer(path).await?);
         }
-        let mut client = AgentServiceClient::new(channel);
-        let response = tokio::time::timeout(HEADERS_TIMEOUT, client.connect(request))
+        if probe {
+            metadata.insert(PROBE, AsciiMetadataValue::from_static("1"));
+        }
+        Ok(metadata)
+    }
+
+    /// Calls `Connect` and waits up to `limit` for the server's headers.
+    async fn call<S>(
+        &self,
+        channel: &Channel,
+        metadata: MetadataMap,
+        packets: S,
+        limit: Duration,
+    ) -> Result<tonic::Response<Streaming<Packet>>, ConnectError>
+    where
+        S: futures_util::Stream<Item = Packet> + Send + 'static,
+    {
+        let address = self.address();
+        let mut request = Request::new(packets);
+        *request.metadata_mut() = metadata;
+        let mut client = AgentServiceClient::new(channel.clone());
+        tokio::time::timeout(limit, client.connect(request))
             .await
             .map_err(|_| ConnectError::HeadersTimeout {
                 address: address.clone(),
+                limit,
             })?
-            .map_err(|status| ConnectError::Refused {
-                address: address.clone(),
-                status,
-            })?;
+            .map_err(|status| ConnectError::Refused { address, status })
+    }
+
+    fn headers(&self, metadata: &MetadataMap) -> Result<Headers, ConnectError> {
         let bad = |key, problem: &str| ConnectError::BadMetadata {
-            address: address.clone(),
+            address: self.address(),
             key,
             problem: problem.to_owned(),
         };
-        let server_id = response
-            .metadata()
+        let server_id = metadata
             .get(SERVER_ID)
             .ok_or_else(|| bad(SERVER_ID, "missing"))?
             .to_str()
             .map_err(|_| bad(SERVER_ID, "not ASCII"))?
             .to_owned();
-        let server_count = match response.metadata().get(SERVER_COUNT) {
+        let server_count = match metadata.get(SERVER_COUNT) {
             None => 1,
             Some(value) => value
                 .to_str()
@@ -202,18 +263,22 @@ impl ServerTarget {
                 .and_then(|v| v.parse().ok())
                 .ok_or_else(|| bad(SERVER_COUNT, "not a number"))?,
         };
-        let flow_control = response
-            .metadata()
+        let flow_control = metadata
             .get(flow::HEADER)
             .is_some_and(|value| value == flow::VERSION);
-        Ok(ServerStream {
+        Ok(Headers {
             server_id,
             server_count,
             flow_control,
-            inbound: response.into_inner(),
-            outbound,
         })
     }
+}
+
+/// What a server's response headers say.
+struct Headers {
+    server_id: String,
+    server_count: u32,
+    flow_control: bool,
 }
 
 /// `Bearer <token>` from the token file, as it is now.

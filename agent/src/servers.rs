@@ -3,43 +3,99 @@
 //! (`servercount`); the agent keeps dialing the address until it holds a
 //! stream to that many distinct servers, so every server can reach it.
 //! A second stream to a server it already holds is closed at once.
+//!
+//! Each held connection to one of our servers is probed every
+//! `--probe-interval` with a stream that the server answers at once and
+//! does not register ([`PROBE`](konnectivity_proto::metadata::PROBE)): a
+//! server that stopped answering is dropped and redialed long before a
+//! keepalive would notice, and, with `--sync-forever`, the answers keep the
+//! server count current without a new connection. Upstream servers are not
+//! probed (they would register each probe as an agent stream).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use konnectivity_plumbing::metrics::GaugeGuard;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+use tonic::transport::Channel;
 
 use crate::Backoff;
 use crate::metrics::AgentMetrics;
 use crate::server_conn::ServerTarget;
 use crate::session::{self, SessionSettings};
 
+/// How often and how eagerly the agent re-checks its servers.
+#[derive(Clone, Copy, Debug)]
+pub struct SyncSettings {
+    /// `--probe-interval`: how often each held connection is probed.
+    pub probe_interval: Duration,
+    /// `--sync-forever`: keep the server count current after converging.
+    pub sync_forever: bool,
+    /// With `--sync-forever`, how often a converged agent still dials the
+    /// address (`--sync-interval-cap`), to meet a server that counts
+    /// differently from those it holds; upstream redials every
+    /// `--sync-interval`.
+    pub rediscover_every: Duration,
+}
+
+/// What the tasks of held connections report to the loop.
+enum Report {
+    /// The stream to this server ended.
+    Ended(String),
+    /// A probe of a held server answered with this count.
+    ServerCount(u32),
+}
+
 /// Holds streams to `servercount` distinct servers, forever: dials with
 /// upstream's backoff while short of them, waits for a loss once converged.
 pub async fn serve(
     target: ServerTarget,
     settings: SessionSettings,
+    sync: SyncSettings,
     metrics: Arc<AgentMetrics>,
     drain: watch::Receiver<bool>,
     mut backoff: Backoff,
 ) {
-    let (ended_tx, mut ended_rx) = mpsc::unbounded_channel::<String>();
+    let (report_tx, mut reports) = mpsc::unbounded_channel::<Report>();
     let mut held: HashMap<String, SessionTask> = HashMap::new();
     // Until a server says otherwise there is one.
     let mut wanted: usize = 1;
-    loop {
-        while let Ok(server_id) = ended_rx.try_recv() {
+    let apply = |report: Report, held: &mut HashMap<String, SessionTask>, wanted: &mut usize| match report {
+        Report::Ended(server_id) => {
             held.remove(&server_id);
         }
-        if held.len() >= wanted {
-            // Converged: nothing to dial until a stream ends.
-            if let Some(server_id) = ended_rx.recv().await {
-                held.remove(&server_id);
+        Report::ServerCount(count) => {
+            if sync.sync_forever && count as usize != *wanted {
+                tracing::info!(from = *wanted, to = count, "server count changed");
+                *wanted = (count as usize).max(1);
+                metrics.known_server_count.set(i64::from(count));
             }
-            backoff.reset();
-            continue;
+        }
+    };
+    loop {
+        while let Ok(report) = reports.try_recv() {
+            apply(report, &mut held, &mut wanted);
+        }
+        if held.len() >= wanted {
+            // Converged: nothing to dial until a stream ends, the count
+            // grows, or (with --sync-forever) it is time to look around.
+            let rediscover = async {
+                if sync.sync_forever {
+                    tokio::time::sleep(sync.rediscover_every).await;
+                } else {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                Some(report) = reports.recv() => {
+                    apply(report, &mut held, &mut wanted);
+                    backoff.reset();
+                    continue;
+                }
+                () = rediscover => {}
+            }
         }
         match target.connect(&metrics).await {
             Ok(stream) => {
@@ -56,8 +112,11 @@ pub async fn serve(
                         "connected to proxy-server"
                     );
                     let server_id = stream.server_id.clone();
-                    let ended = ended_tx.clone();
-                    let open = GaugeGuard::new(&metrics.open_server_connections);
+                    let probe = stream.flow_control.then(|| Probe {
+                        target: target.clone(),
+                        channel: stream.channel.clone(),
+                        every: sync.probe_interval,
+                    });
                     let run = session::run(
                         stream.inbound,
                         stream.outbound,
@@ -66,12 +125,17 @@ pub async fn serve(
                         metrics.clone(),
                         drain.clone(),
                     );
+                    let open = GaugeGuard::new(&metrics.open_server_connections);
+                    let reports = report_tx.clone();
                     let id = server_id.clone();
                     let task = tokio::spawn(async move {
                         let _open = open;
-                        let reason = run.await;
+                        let reason = tokio::select! {
+                            reason = run => reason,
+                            failure = watch_server(probe, &reports) => failure,
+                        };
                         tracing::warn!(server_id = %id, %reason, "lost proxy-server stream");
-                        let _ = ended.send(id);
+                        let _ = reports.send(Report::Ended(id));
                     });
                     held.insert(server_id, SessionTask(task));
                     backoff.reset();
@@ -85,6 +149,32 @@ pub async fn serve(
             }
         }
         tokio::time::sleep(backoff.next_delay()).await;
+    }
+}
+
+/// How to probe one held connection.
+struct Probe {
+    target: ServerTarget,
+    channel: Channel,
+    every: Duration,
+}
+
+/// Probes the connection until a probe fails, and returns why; never
+/// returns for servers that are not probed.
+async fn watch_server(probe: Option<Probe>, reports: &mpsc::UnboundedSender<Report>) -> String {
+    let Some(probe) = probe else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(probe.every).await;
+        // A probe's own wait is bounded by the headers timeout; an interval
+        // shorter than that must not let probes pile up, hence in sequence.
+        match probe.target.probe(&probe.channel).await {
+            Ok(answer) => {
+                let _ = reports.send(Report::ServerCount(answer.server_count));
+            }
+            Err(error) => return format!("probe failed: {}", konnectivity_plumbing::error_chain(&error)),
+        }
     }
 }
 

@@ -39,6 +39,12 @@ pub mod metadata {
     pub const SERVER_ID: &str = "serverid";
     /// Server → agent response header: how many servers the agent should hold.
     pub const SERVER_COUNT: &str = "servercount";
+    /// Agent → server, our extension: this stream is a probe of the
+    /// connection. A server that knows the key answers with its usual
+    /// headers and ends the stream at once, without registering a backend;
+    /// upstream servers ignore it (so agents probe only servers that
+    /// answered with the flow-control header, i.e. ours).
+    pub const PROBE: &str = "konnectivity-rs-probe";
 }
 
 /// The largest gRPC message Go peers accept by default; we never send more.

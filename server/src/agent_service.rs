@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use futures_util::{Stream, StreamExt};
 use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_plumbing::tls::certificate_names;
-use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, SERVER_COUNT, SERVER_ID};
+use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_server::AgentService;
 use konnectivity_proto::{AgentIdentifiers, Packet, flow};
 use tokio::sync::mpsc;
@@ -137,6 +137,15 @@ impl AgentService for AgentServer {
                 )));
             }
         }
+        if request.metadata().get(PROBE).is_some_and(|value| value == "1") {
+            // An agent checking the connection and the server count: the
+            // headers are the answer; nothing is registered.
+            let empty = futures_util::stream::empty();
+            return Ok(self.with_headers(
+                Response::new(Box::pin(empty) as Self::ConnectStream),
+                flow_control,
+            ));
+        }
         let (outbound_tx, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
         let (commands_tx, commands_rx) = mpsc::channel(COMMAND_QUEUE);
         let backend = Arc::new(Backend::new(
@@ -169,16 +178,22 @@ impl AgentService for AgentServer {
         // Returning the response sends its headers at once: upstream agents
         // wait for `serverid` before anything else, with no timeout.
         let packets = ReceiverStream::new(outbound_rx).map(Ok);
-        let mut response = Response::new(Box::pin(packets) as Self::ConnectStream);
-        response.metadata_mut().insert(SERVER_ID, self.server_id.clone());
-        response
-            .metadata_mut()
-            .insert(SERVER_COUNT, self.server_count.clone());
+        Ok(self.with_headers(
+            Response::new(Box::pin(packets) as Self::ConnectStream),
+            flow_control,
+        ))
+    }
+}
+
+impl AgentServer {
+    /// Adds the headers every agent stream's answer carries.
+    fn with_headers<T>(&self, mut response: Response<T>, flow_control: bool) -> Response<T> {
+        let metadata = response.metadata_mut();
+        metadata.insert(SERVER_ID, self.server_id.clone());
+        metadata.insert(SERVER_COUNT, self.server_count.clone());
         if flow_control {
-            response
-                .metadata_mut()
-                .insert(flow::HEADER, AsciiMetadataValue::from_static(flow::VERSION));
+            metadata.insert(flow::HEADER, AsciiMetadataValue::from_static(flow::VERSION));
         }
-        Ok(response)
+        response
     }
 }

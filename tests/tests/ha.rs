@@ -66,7 +66,11 @@ impl Drop for RoundRobin {
 }
 
 async fn server(dir: &TempDir, pki: &Pki, id: &str) -> Server {
-    let extra = [format!("--server-id={id}"), "--server-count=3".to_owned()];
+    counting_server(dir, pki, id, 3).await
+}
+
+async fn counting_server(dir: &TempDir, pki: &Pki, id: &str, count: u32) -> Server {
+    let extra = [format!("--server-id={id}"), format!("--server-count={count}")];
     Server::start(dir.path(), pki, "http-connect", true, &extra).await
 }
 
@@ -154,6 +158,104 @@ async fn an_agent_behind_a_load_balancer_holds_one_stream_to_each_server() {
         Duration::from_secs(5),
         "converged: one stream per server",
         || async { connected(&servers[0]).await == 1.0 && connected(&servers[1]).await == 1.0 },
+    )
+    .await;
+}
+
+/// A server that stops answering (SIGSTOP: its sockets stay open, so
+/// neither TCP nor the stream notices) is found by the agent's probes and
+/// dropped, long before a keepalive would; the other server keeps serving,
+/// and once the stopped one resumes the agent holds both again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_drop_a_server_that_stops_answering() {
+    let dir = TempDir::new("konn-ha");
+    let pki = Pki::new(dir.path());
+    let servers = [
+        counting_server(&dir, &pki, "server-1", 2).await,
+        counting_server(&dir, &pki, "server-2", 2).await,
+    ];
+    let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
+    let agent = Agent::start(
+        dir.path(),
+        &pki,
+        balancer.addr.port(),
+        "agent-1",
+        &["--probe-interval=200ms".to_owned()],
+    );
+    let agent_port = agent.health_port;
+    wait_until(Duration::from_secs(30), "streams to both servers", || async {
+        metric(agent_port, AGENT_SERVERS).await == Some(2.0)
+    })
+    .await;
+
+    servers[1].proc.signal("STOP");
+    // Probe interval + the 5 s a probe may take, with room for a slow machine.
+    wait_until(
+        Duration::from_secs(9),
+        "the agent to drop the stopped server",
+        || async { metric(agent_port, AGENT_SERVERS).await == Some(1.0) },
+    )
+    .await;
+    let target = targets::blob().await;
+    tunnel_works(&servers[0], &target.addr.to_string()).await;
+
+    servers[1].proc.signal("CONT");
+    wait_until(
+        Duration::from_secs(30),
+        "the agent back on both servers",
+        || async {
+            metric(agent_port, AGENT_SERVERS).await == Some(2.0)
+                && connected(&servers[0]).await == 1.0
+                && connected(&servers[1]).await == 1.0
+        },
+    )
+    .await;
+    tunnel_works(&servers[1], &target.addr.to_string()).await;
+}
+
+/// The first server an agent meets says there is one server; the second
+/// says two (a fleet being scaled up). Without --sync-forever the agent
+/// stops at one; with it, it keeps looking now and then and finds the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_forever_finds_a_server_that_counts_more() {
+    let dir = TempDir::new("konn-ha");
+    let pki = Pki::new(dir.path());
+    let servers = [
+        counting_server(&dir, &pki, "old", 1).await,
+        counting_server(&dir, &pki, "new", 2).await,
+    ];
+    // One balancer per agent, so each starts at the first server.
+    let plain_balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
+    let syncing_balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
+    let fast = [
+        "--sync-interval=100ms".to_owned(),
+        "--sync-interval-cap=300ms".to_owned(),
+    ];
+    let plain = Agent::start(dir.path(), &pki, plain_balancer.addr.port(), "plain", &fast);
+    let syncing = Agent::start(
+        dir.path(),
+        &pki,
+        syncing_balancer.addr.port(),
+        "syncing",
+        &[fast[0].clone(), fast[1].clone(), "--sync-forever".to_owned()],
+    );
+
+    wait_until(
+        Duration::from_secs(15),
+        "the syncing agent on both servers",
+        || async { metric(syncing.health_port, AGENT_SERVERS).await == Some(2.0) },
+    )
+    .await;
+    assert_eq!(metric(plain.health_port, AGENT_SERVERS).await, Some(1.0));
+    // Give the plain agent ten of the syncing agent's rounds: it stays put.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(metric(plain.health_port, AGENT_SERVERS).await, Some(1.0));
+    // The syncing agent's later dials land on servers it holds and are
+    // closed at once: each server carries one stream of each agent at most.
+    wait_until(
+        Duration::from_secs(5),
+        "one stream per agent and server",
+        || async { connected(&servers[0]).await == 2.0 && connected(&servers[1]).await == 1.0 },
     )
     .await;
 }
