@@ -28,6 +28,18 @@ if ! python3 -c 'import grpc, grpc_tools' 2>/dev/null; then
     'grpcio>=1.60,<2' 'grpcio-tools>=1.60,<2'
 fi
 
+# Offline schema validation of the rendered manifests (tests/tests/manifests.rs).
+if ! python3 -c 'import kubernetes_validate' 2>/dev/null; then
+  echo "== installing kubernetes-validate (PyPI)"
+  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
+    'kubernetes-validate>=1.31,<2'
+fi
+# kubectl renders the kustomizations (its built-in kustomize). Debian does not
+# package it; the manifest tests fail under CI without it.
+if ! command -v kubectl >/dev/null 2>&1; then
+  echo "hack/test.sh: kubectl not found; install it (https://kubernetes.io/docs/tasks/tools/) to run the manifest tests" >&2
+fi
+
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
