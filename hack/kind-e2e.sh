@@ -102,7 +102,7 @@ for file in cluster-ca.crt server.crt server.key node-client-ca.crt konnectivity
   docker cp "$work/pki/$file" "$control_plane:/etc/kubernetes/konnectivity/pki/$file"
 done
 kubectl -n kube-system create configmap konnectivity \
-  --from-literal=proxy-server-host="$control_plane" --from-literal=kas-endpoint="$kas_endpoint"
+  --from-literal=proxy-server-host="$cp_ip" --from-literal=kas-endpoint="$kas_endpoint"
 
 # Writes each Pod of a rendered kustomization to the control plane's static pod directory.
 install_static_pods() { # kustomization dir
