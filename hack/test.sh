@@ -48,3 +48,10 @@ echo "== cargo build (binaries the integration tests run)"
 cargo build --workspace --bins --locked
 echo "== cargo test"
 cargo test --workspace --locked --no-fail-fast
+
+# Fuzzing, when a nightly toolchain and cargo-fuzz are installed (the corpora
+# also run as ordinary tests above): FUZZ_SECONDS per target, 0 to skip.
+if [[ ${FUZZ_SECONDS:-60} != 0 ]]; then
+  echo "== fuzzing (hack/fuzz.sh ${FUZZ_SECONDS:-60})"
+  bash hack/fuzz.sh "${FUZZ_SECONDS:-60}"
+fi
