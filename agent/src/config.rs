@@ -117,6 +117,10 @@ pub struct Args {
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub warn_on_channel_limit: bool,
+    /// Most connections to endpoints open at once (dials included), over all server
+    /// streams; one more dial is answered with an error naming this flag. 0: no limit.
+    #[arg(long, default_value_t = 0, help_heading = "konnectivity-rs additions")]
+    pub max_endpoint_connections: usize,
     /// How long a dial to an endpoint may take (upstream fixes it at 5s).
     #[arg(long, value_parser = parse_duration, default_value = "5s", help_heading = "konnectivity-rs additions")]
     pub dial_timeout: Duration,
@@ -223,6 +227,8 @@ pub struct Config {
     pub sync_interval_cap: Duration,
     /// `--probe-interval`.
     pub probe_interval: Duration,
+    /// `--max-endpoint-connections` (0: none).
+    pub max_endpoint_connections: usize,
     /// `--sync-forever`.
     pub sync_forever: bool,
     pub health_addr: SocketAddr,
@@ -344,6 +350,7 @@ impl Config {
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
             probe_interval: args.probe_interval,
+            max_endpoint_connections: args.max_endpoint_connections,
             sync_forever: args.sync_forever,
             health_addr: SocketAddr::new(health_ip, args.health_server_port),
             dial_timeout: args.dial_timeout,

@@ -109,6 +109,10 @@ pub async fn run(
     };
     let settings = SessionSettings {
         dial_timeout: config.dial_timeout,
+        endpoint_limit: konnectivity_plumbing::limit::Limit::from_flag(
+            "max-endpoint-connections",
+            config.max_endpoint_connections,
+        ),
         mark: config.node.as_ref().map(|node| node.mark),
     };
     tracing::info!(agent_id = %config.agent_id, server = %target.address(), "proxy-agent started");

@@ -10,11 +10,13 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Upstream's reasons for `endpoint_dial_failure_total`.
+/// Upstream's reasons for `endpoint_dial_failure_total`, and ours.
 #[derive(Clone, Copy, Debug)]
 pub enum DialFailure {
     Timeout,
     Unknown,
+    /// Ours: refused by --max-endpoint-connections.
+    Limit,
 }
 
 /// What became of a captured connection (node role).
@@ -138,6 +140,7 @@ impl AgentMetrics {
         let reason = match reason {
             DialFailure::Timeout => "timeout",
             DialFailure::Unknown => "unknown",
+            DialFailure::Limit => "limit",
         };
         self.dial_failures.get_or_create(&vec![("reason", reason)]).inc();
     }

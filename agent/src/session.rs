@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use konnectivity_plumbing::limit::{Limit, Slot};
 use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::flow::{self, ReceiveGate, Refused, SendWindow};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
@@ -20,6 +21,8 @@ use crate::metrics::{AgentMetrics, Segment};
 #[derive(Clone, Debug)]
 pub struct SessionSettings {
     pub dial_timeout: Duration,
+    /// `--max-endpoint-connections`, shared by all of the agent's sessions.
+    pub endpoint_limit: Option<Limit>,
     /// SO_MARK for endpoint dials when the node role's capture rules are
     /// installed, so the agent's own dials are never captured.
     pub mark: Option<u32>,
@@ -32,6 +35,7 @@ struct Endpoint {
     send_window: SendWindow,
     reader: AbortHandle,
     _gauge: GaugeGuard,
+    _slot: Option<Slot>,
 }
 
 impl Drop for Endpoint {
@@ -46,6 +50,8 @@ impl Drop for Endpoint {
 struct Dialed {
     dial_id: DialId,
     result: Result<TcpStream, DialError>,
+    /// The connection's slot under --max-endpoint-connections.
+    slot: Option<Slot>,
 }
 
 struct Session {
@@ -241,6 +247,26 @@ impl Session {
                 })
                 .await;
         }
+        // A slot for the connection's whole life, pending dial included.
+        let slot = match self
+            .settings
+            .endpoint_limit
+            .as_ref()
+            .map(|limit| limit.take("endpoint connection"))
+        {
+            Some(Err(refused)) => {
+                self.metrics.dial_failed(crate::metrics::DialFailure::Limit);
+                tracing::warn!(%address, error = %refused, "dial refused");
+                return self
+                    .send(Frame::DialResponse {
+                        dial_id,
+                        result: Err(refused.to_string()),
+                    })
+                    .await;
+            }
+            Some(Ok(slot)) => Some(slot),
+            None => None,
+        };
         // Dial on its own task: the receive loop never waits for a dial.
         let timeout = self.settings.dial_timeout;
         let mark = self.settings.mark;
@@ -248,7 +274,13 @@ impl Session {
         let dialed = self.dialed_tx.clone();
         let task = tokio::spawn(async move {
             let result = endpoint::dial(&address, timeout, mark, &metrics).await;
-            let _ = dialed.send(Dialed { dial_id, result }).await;
+            let _ = dialed
+                .send(Dialed {
+                    dial_id,
+                    result,
+                    slot,
+                })
+                .await;
         });
         self.dials.insert(dial_id, task.abort_handle());
         Ok(())
@@ -302,6 +334,7 @@ impl Session {
                 send_window,
                 reader: reader.abort_handle(),
                 _gauge: GaugeGuard::new(&self.metrics.open_endpoint_connections),
+                _slot: dialed.slot,
             },
         );
         Ok(())

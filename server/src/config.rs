@@ -116,6 +116,11 @@ pub struct Args {
     /// before exiting (0: exit at once).
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub graceful_shutdown_timeout: Duration,
+    /// Most tunnels open at once through each frontend (kube-apiserver's, and the node
+    /// frontend's separately); one more is refused (HTTP 503, or a DIAL_RSP error)
+    /// and counted in tunnel_limit_refusals_total. 0: no limit.
+    #[arg(long, default_value_t = 0, help_heading = "konnectivity-rs additions")]
+    pub max_tunnels_per_frontend: usize,
     /// Authenticate agents by ServiceAccount token instead of client certificate:
     /// the namespace of their ServiceAccount (with --agent-service-account and
     /// --authentication-audience; excludes --cluster-ca-cert).
@@ -232,6 +237,8 @@ pub struct Config {
     pub control_plane_agent_ids: Vec<String>,
     /// Agents authenticate by ServiceAccount token rather than certificate.
     pub agent_auth: Option<AgentTokenAuth>,
+    /// `--max-tunnels-per-frontend` (0: none).
+    pub max_tunnels_per_frontend: usize,
 }
 
 /// `--agent-namespace` & co.: whom to admit, and the kube-apiserver that
@@ -418,6 +425,7 @@ impl Config {
             node_frontend,
             control_plane_agent_ids,
             agent_auth,
+            max_tunnels_per_frontend: args.max_tunnels_per_frontend,
         })
     }
 }

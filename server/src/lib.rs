@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use konnectivity_plumbing::kube::KubeClient;
+use konnectivity_plumbing::limit::Limit;
 use konnectivity_plumbing::tls::{self, TlsError};
 use konnectivity_proto::wire::agent_service_server::AgentServiceServer;
 use konnectivity_proto::wire::proxy_service_server::ProxyServiceServer;
@@ -144,6 +145,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         timeout: config.backend_dial_timeout,
         class: FrontendClass::Apiserver,
         node_allowed: Arc::new(Vec::new()),
+        tunnel_limit: Limit::from_flag("max-tunnels-per-frontend", config.max_tunnels_per_frontend),
     };
     let node_task = match &config.node_frontend {
         Some(node) => {
@@ -158,6 +160,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             let node_dialer = Dialer {
                 class: FrontendClass::Node,
                 node_allowed: Arc::new(node.allowed.clone()),
+                // Its own count: nodes cannot starve kube-apiserver of tunnels.
+                tunnel_limit: Limit::from_flag("max-tunnels-per-frontend", config.max_tunnels_per_frontend),
                 ..dialer.clone()
             };
             Some(tokio::spawn(async move {

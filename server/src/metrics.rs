@@ -5,6 +5,7 @@ pub use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::UnsuffixedCounter;
 use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors};
 use konnectivity_proto::PacketType;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -67,6 +68,10 @@ pub struct ServerMetrics {
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
     pub alive_tasks: Gauge,
     grpc_connections: Family<Labels, Gauge>,
+    /// Ours: requests refused by --max-tunnels-per-frontend, by frontend.
+    limit_refusals: Family<Labels, Counter>,
+    /// Ours: CONNECT requests refused before any dial, by HTTP status.
+    connect_rejections: Family<Labels, Counter>,
     dial_failures: Family<Labels, UnsuffixedCounter>,
     packets: PacketCounters,
 }
@@ -86,6 +91,8 @@ impl Default for ServerMetrics {
             full_receive_channels: Family::default(),
             alive_tasks: Gauge::default(),
             grpc_connections: Family::default(),
+            limit_refusals: Family::default(),
+            connect_rejections: Family::default(),
             dial_failures: Family::default(),
             packets: PacketCounters::default(),
             registry: Registry::default(),
@@ -141,6 +148,16 @@ impl Default for ServerMetrics {
             metrics.grpc_connections.clone(),
         );
         registry.register(
+            "tunnel_limit_refusals",
+            "Tunnels refused by --max-tunnels-per-frontend, by frontend",
+            metrics.limit_refusals.clone(),
+        );
+        registry.register(
+            "http_connect_rejections",
+            "CONNECT requests refused before any dial (malformed, not CONNECT, head too large or too slow), by HTTP status",
+            metrics.connect_rejections.clone(),
+        );
+        registry.register(
             "dial_failure_count",
             "Number of dial failures observed, by reason",
             metrics.dial_failures.clone(),
@@ -176,6 +193,26 @@ impl ServerMetrics {
         self.ready_backends
             .get_or_create(&vec![("proxy_strategy", strategy)])
             .set(count as i64);
+    }
+
+    /// A CONNECT request refused with `status` before any dial.
+    pub fn connect_rejected(&self, status: u16) {
+        let status = match status {
+            400 => "400",
+            405 => "405",
+            408 => "408",
+            431 => "431",
+            _ => "other",
+        };
+        self.connect_rejections
+            .get_or_create(&vec![("status", status)])
+            .inc();
+    }
+
+    pub fn limit_refused(&self, frontend: &'static str) {
+        self.limit_refusals
+            .get_or_create(&vec![("frontend", frontend)])
+            .inc();
     }
 
     /// The gauge of streams of `service_method` blocked on a full receive channel.

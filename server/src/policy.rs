@@ -16,6 +16,16 @@ pub enum FrontendClass {
     Node,
 }
 
+impl FrontendClass {
+    /// The `frontend` label of metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            FrontendClass::Apiserver => "apiserver",
+            FrontendClass::Node => "node",
+        }
+    }
+}
+
 /// One entry of `--node-allowed-destinations`: an address or CIDR and a port.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AllowedDestination {

@@ -14,6 +14,7 @@ use crate::backend::registry::Registry;
 use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, ServerMetrics};
 use crate::policy::{AllowedDestination, FrontendClass, PolicyError, check_node_destination};
+use konnectivity_plumbing::limit::{Limit, LimitReached, Slot};
 
 /// Why a dial did not produce a connection. The text reaches the client.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -29,6 +30,9 @@ pub enum DialError {
     Timeout(Duration),
     #[error("{AGENT_DISCONNECTED} before answering the dial")]
     BackendGone,
+    /// `--max-tunnels-per-frontend` reached on this frontend.
+    #[error("{0}")]
+    Limit(#[from] LimitReached),
 }
 
 impl DialError {
@@ -39,6 +43,7 @@ impl DialError {
             DialError::Policy(_) => 403,
             DialError::Timeout(_) => 504,
             DialError::BackendGone => 502,
+            DialError::Limit(_) => 503,
             DialError::Agent(text) => {
                 let text = text.to_ascii_lowercase();
                 if text.contains("timeout") || text.contains("deadline exceeded") {
@@ -64,6 +69,8 @@ pub struct Dialer {
     pub class: FrontendClass,
     /// For node clients: the destinations they may reach.
     pub node_allowed: Arc<Vec<AllowedDestination>>,
+    /// `--max-tunnels-per-frontend`, counted for this frontend alone.
+    pub tunnel_limit: Option<Limit>,
 }
 
 impl Dialer {
@@ -77,6 +84,17 @@ impl Dialer {
             tracing::warn!(%address, error = %refused, "node dial refused by policy");
             return Err(refused.into());
         }
+        // A slot for the tunnel's whole life, taken before anything else so
+        // that a refused request costs the agents nothing.
+        let slot = match self.tunnel_limit.as_ref().map(|limit| limit.take("tunnel")) {
+            Some(Err(refused)) => {
+                self.metrics.limit_refused(self.class.label());
+                tracing::warn!(%address, error = %refused, "tunnel refused");
+                return Err(refused.into());
+            }
+            Some(Ok(slot)) => Some(slot),
+            None => None,
+        };
         let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
         let Some(backend) = self.registry.select(host, self.class) else {
             self.metrics.dial_failed(DialFailure::NoAgent);
@@ -122,6 +140,7 @@ impl Dialer {
                     backend: backend.clone(),
                     connect_id,
                     window: send_window,
+                    _slot: slot,
                 },
                 receiver: TunnelReceiver {
                     backend: backend.clone(),
@@ -174,6 +193,8 @@ pub struct TunnelSender {
     backend: Arc<Backend>,
     connect_id: ConnectId,
     window: SendWindow,
+    /// The frontend's tunnel slot, freed when the tunnel ends.
+    _slot: Option<Slot>,
 }
 
 impl TunnelSender {

@@ -153,7 +153,27 @@ async fn write_error<S: FrontendStream>(stream: &mut S, status: u16, message: &s
     );
     let _ = stream.write_all(response.as_bytes()).await;
     let _ = stream.shutdown().await;
+    // Closing a socket with unread bytes makes the kernel send a reset,
+    // which can destroy the answer before the client reads it (a client
+    // whose head was too large has usually sent more). Read and discard a
+    // bounded amount, for a bounded time, first.
+    let mut sink = [0u8; 4096];
+    let drain = async {
+        let mut left = LINGER_BYTES;
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIME, drain).await;
 }
+
+/// How much of a refused client's further input is read before closing,
+/// and for how long at most.
+const LINGER_BYTES: usize = 256 * 1024;
+const LINGER_TIME: Duration = Duration::from_secs(2);
 
 /// Serves one CONNECT connection from request to close.
 pub async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
@@ -162,6 +182,7 @@ pub async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
         Ok(request) => request,
         Err(error) => {
             tracing::debug!(%error, "rejected CONNECT request");
+            dialer.metrics.connect_rejected(error.http_status());
             write_error(&mut stream, error.http_status(), &error.to_string()).await;
             return;
         }
