@@ -30,6 +30,10 @@ fn main() -> anyhow::Result<()> {
     args.klog.init_logging()?;
     tracing::info!(?config, "effective configuration");
     konnectivity_plumbing::klog::warn_inert(&args.inert_settings());
+    match konnectivity_plumbing::raise_open_files_limit() {
+        Ok(limit) => tracing::debug!(limit, "open files limit"),
+        Err(error) => tracing::warn!(%error, "cannot raise the open files limit"),
+    }
     if !args.keepalive_time.is_zero() && args.keepalive_time < konnectivity_agent::config::MIN_KEEPALIVE {
         tracing::warn!(
             requested = ?args.keepalive_time,

@@ -28,3 +28,16 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     }
     text
 }
+
+/// Raises the soft limit on open files to the hard limit, as Go programs
+/// (upstream's binaries among them) do at start: every tunnel holds
+/// sockets, and the usual soft limit of 1024 would cap a server at a few
+/// hundred tunnels. Returns the limit now in force.
+pub fn raise_open_files_limit() -> std::io::Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    Ok(hard.max(soft))
+}

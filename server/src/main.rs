@@ -19,6 +19,10 @@ fn main() -> anyhow::Result<()> {
     args.klog.init_logging()?;
     tracing::info!(?config, "effective configuration");
     konnectivity_plumbing::klog::warn_inert(&args.inert_settings());
+    match konnectivity_plumbing::raise_open_files_limit() {
+        Ok(limit) => tracing::debug!(limit, "open files limit"),
+        Err(error) => tracing::warn!(%error, "cannot raise the open files limit"),
+    }
 
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     runtime.block_on(async {

@@ -87,16 +87,19 @@ impl Setup {
             )
             .await
             .unwrap_or(-1.0),
+            server_rss_kib: rss_kib(self.server.proc.pid()),
+            agent_rss_kib: rss_kib(self.agent.proc.pid()),
         }
     }
 
-    /// Waits until resources are back to `baseline`: nothing leaked.
+    /// Waits until resources are back to `baseline`: the same descriptors
+    /// and tasks, and resident memory within 10% of it. Nothing leaked.
     pub async fn assert_resources_return_to(&self, baseline: &Resources) {
         let mut last = None;
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
         while std::time::Instant::now() < deadline {
             let now = self.resources().await;
-            if now == *baseline {
+            if now.back_to(baseline) {
                 return;
             }
             last = Some(now);
@@ -112,6 +115,32 @@ pub struct Resources {
     pub agent_fds: usize,
     pub server_tasks: f64,
     pub agent_tasks: f64,
+    pub server_rss_kib: u64,
+    pub agent_rss_kib: u64,
+}
+
+impl Resources {
+    /// Descriptors and tasks as in `baseline`, memory at most 10% above it.
+    pub fn back_to(&self, baseline: &Resources) -> bool {
+        let within = |now: u64, before: u64| now <= before + before / 10;
+        self.server_fds == baseline.server_fds
+            && self.agent_fds == baseline.agent_fds
+            && self.server_tasks == baseline.server_tasks
+            && self.agent_tasks == baseline.agent_tasks
+            && within(self.server_rss_kib, baseline.server_rss_kib)
+            && within(self.agent_rss_kib, baseline.agent_rss_kib)
+    }
+}
+
+/// Resident memory of a process, from /proc (0 if it is gone).
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0)
 }
 
 pub fn open_fds(pid: u32) -> usize {

@@ -57,6 +57,11 @@ impl Proc {
         let child = Command::new(path)
             .args(args)
             .env("RUST_LOG", "debug,h2=info,hyper=info,tower=info,rustls=info")
+            // mimalloc returns freed pages only on later activity on the same
+            // thread, so an idle process's resident memory says little about
+            // leaks. Returning them at once makes it comparable: what stays
+            // resident is then what is still allocated.
+            .env("MIMALLOC_PURGE_DELAY", "0")
             .stdin(Stdio::null())
             .stdout(file.try_clone().unwrap())
             .stderr(file)
@@ -134,6 +139,9 @@ pub struct Server {
     pub frontend: Frontend,
     pub agent_port: u16,
     pub health_port: u16,
+    /// What it was started with, to start it again.
+    args: Vec<String>,
+    dir: std::path::PathBuf,
 }
 
 impl Server {
@@ -171,18 +179,25 @@ impl Server {
         };
         args.extend(extra.iter().cloned());
         let proc = Proc::spawn("proxy-server", &args, dir);
-        wait_until(Duration::from_secs(10), "proxy-server /healthz", || async {
-            http_get(health_port, "/healthz")
-                .await
-                .is_ok_and(|(status, _)| status == 200)
-        })
-        .await;
+        wait_healthy(health_port).await;
         Server {
             proc,
             frontend,
             agent_port,
             health_port,
+            args,
+            dir: dir.to_owned(),
         }
+    }
+
+    /// Starts the server again on the same ports and socket after it died
+    /// (a stale socket file is replaced, as --delete-existing-uds-file does).
+    pub async fn restart(&mut self) {
+        self.proc.kill();
+        let mut args = self.args.clone();
+        args.push("--delete-existing-uds-file".to_owned());
+        self.proc = Proc::spawn("proxy-server", &args, &self.dir);
+        wait_healthy(self.health_port).await;
     }
 
     pub fn tcp_port(&self) -> u16 {
@@ -212,6 +227,15 @@ impl Server {
         })
         .await;
     }
+}
+
+async fn wait_healthy(health_port: u16) {
+    wait_until(Duration::from_secs(10), "proxy-server /healthz", || async {
+        http_get(health_port, "/healthz")
+            .await
+            .is_ok_and(|(status, _)| status == 200)
+    })
+    .await;
 }
 
 pub struct Agent {
