@@ -1,7 +1,7 @@
 //! Faults, with checksummed transfers running through them: whatever
 //! happens, a transfer either arrives with the right SHA-256 or fails with
 //! an error, every affected connection ends within a bounded time, and the
-//! processes return to their baseline of open files, tasks and memory.
+//! processes return to their baseline of open files and tasks.
 
 mod support;
 
@@ -52,7 +52,7 @@ async fn open_idle_tunnels(setup: &Setup, target: &str, count: usize) -> Vec<tok
 /// 5,000 tunnels opened at once, each with a few bytes in flight, then all
 /// dropped by the client without a word, three times over: the server, the
 /// agent and the target side all let go at once, and every round ends with
-/// the processes back at the same descriptors, tasks and memory (±10%).
+/// the processes back at the same descriptors and tasks, and memory bounded.
 ///
 /// The baseline is taken after a first round: the async runtime keeps the
 /// I/O tables the first 5,000 needed for reuse (seen here: the agent +4 MiB
@@ -105,7 +105,7 @@ async fn a_server_killed_mid_transfer_fails_it_cleanly_and_a_restarted_one_serve
     let target = target.addr.to_string();
     round_trip(&setup, &target, MIB, 1).await;
     setup.assert_gauges_return_to_zero().await;
-    let agent_fds = support::cluster::open_fds(setup.agent.proc.pid());
+    let agent_fds = support::cluster::settled_fds(setup.agent.proc.pid()).await;
 
     let mut tunnel = via_uds(setup.server.uds_path(), &target)
         .await
@@ -149,10 +149,28 @@ async fn a_server_killed_mid_transfer_fails_it_cleanly_and_a_restarted_one_serve
     setup.server.wait_backends(1).await;
     round_trip(&setup, &target, 4 * MIB, 3).await;
     setup.assert_gauges_return_to_zero().await;
-    support::wait_until(
-        Duration::from_secs(10),
-        "the agent's descriptors back to baseline",
-        || async { support::cluster::open_fds(setup.agent.proc.pid()) == agent_fds },
-    )
+    let pid = setup.agent.proc.pid();
+    let settled = support::wait_until_or_last(Duration::from_secs(10), || async move {
+        let fds = support::cluster::open_fds(pid);
+        (fds == agent_fds, fds)
+    })
     .await;
+    assert_eq!(
+        settled,
+        agent_fds,
+        "the agent's descriptors now: {}",
+        fd_list(pid)
+    );
+}
+
+/// What a process's descriptors point at, for a failure message.
+fn fd_list(pid: u32) -> String {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| {
+            dir.filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+                .map(|target| target.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
 }

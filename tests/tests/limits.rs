@@ -127,3 +127,56 @@ async fn an_oversized_connect_head_is_refused_with_431_and_counted() {
         .expect("a normal tunnel");
     still_works(&mut tunnel, 4).await;
 }
+
+/// A gRPC client sending one message over 4 MiB (what Go peers accept by
+/// default) has its stream refused; the server carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_message_over_4_mib_ends_that_stream_only() {
+    use konnectivity_proto::wire::proxy_service_client::ProxyServiceClient;
+    use konnectivity_proto::{ConnectId, Frame, Packet};
+    use tokio_stream::StreamExt;
+
+    let setup = Setup::start("grpc", true, &[]).await;
+    let path = setup.server.uds_path().to_owned();
+    let channel =
+        tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(UnixStream::connect(path).await?))
+                }
+            }))
+            .await
+            .unwrap();
+    let mut client = ProxyServiceClient::new(channel);
+    let huge = Frame::Data {
+        connect_id: ConnectId::new(1).unwrap(),
+        data: bytes::Bytes::from(vec![0u8; 5 * 1024 * 1024]),
+    };
+    let outcome = async {
+        let mut answers = client
+            .proxy(tokio_stream::iter(vec![Packet::from(huge)]).chain(tokio_stream::pending()))
+            .await?
+            .into_inner();
+        answers.message().await
+    }
+    .await;
+    let status = outcome.expect_err("the stream must be refused");
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    assert_eq!(
+        metric(
+            setup.server.health_port,
+            r#"konnectivity_network_proxy_server_stream_errors_total{segment="from_client",code="OutOfRange",packet_type="Unknown"}"#
+        )
+        .await,
+        Some(1.0)
+    );
+    // Others are unaffected.
+    let target = targets::blob().await;
+    let tunnel = konnectivity_client::Tunnel::connect_uds(setup.server.uds_path())
+        .await
+        .unwrap();
+    let mut stream = tunnel.dial(&target.addr.to_string()).await.unwrap();
+    let (sent, received) = targets::push(&mut stream, 1 << 20, 5).await.unwrap();
+    assert_eq!(sent, received);
+}

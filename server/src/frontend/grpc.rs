@@ -50,6 +50,7 @@ impl ProxyService for ProxyServer {
                 inbound: ClientInbound {
                     packets: request.into_inner(),
                     metrics: dialer.metrics.clone(),
+                    failure: None,
                 },
                 outbound: ClientOutbound {
                     to_client,
@@ -57,8 +58,13 @@ impl ProxyService for ProxyServer {
                 },
             };
             stream.serve(&dialer).await;
+            // A stream that failed on the client's side (a message over the
+            // size limit, say) ends with that status rather than silently.
+            if let Some(status) = stream.inbound.failure.take() {
+                let _ = stream.outbound.to_client.send(Err(status)).await;
+            }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(packets).map(Ok))))
+        Ok(Response::new(Box::pin(ReceiverStream::new(packets))))
     }
 }
 
@@ -73,11 +79,13 @@ struct ClientStream {
 struct ClientInbound {
     packets: Streaming<Packet>,
     metrics: Arc<ServerMetrics>,
+    /// How the client's stream failed, if it did, to tell the client.
+    failure: Option<Status>,
 }
 
 /// What goes back to the client.
 struct ClientOutbound {
-    to_client: mpsc::Sender<Packet>,
+    to_client: mpsc::Sender<Result<Packet, Status>>,
     metrics: Arc<ServerMetrics>,
 }
 
@@ -95,7 +103,10 @@ enum RelayEnd {
 impl ClientOutbound {
     async fn send(&self, frame: Frame) -> Result<(), ClientGone> {
         self.metrics.packet(Segment::ToClient, frame.kind());
-        self.to_client.send(frame.into()).await.map_err(|_| ClientGone)
+        self.to_client
+            .send(Ok(frame.into()))
+            .await
+            .map_err(|_| ClientGone)
     }
 }
 
@@ -123,6 +134,7 @@ impl ClientInbound {
                     self.metrics
                         .stream_errors
                         .count(Segment::FromClient, status.code(), None);
+                    self.failure = Some(status);
                     return None;
                 }
             }

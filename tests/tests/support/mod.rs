@@ -87,6 +87,22 @@ where
     }
 }
 
+/// Polls `check` (done?, value) until done or `limit`; returns the last value.
+pub async fn wait_until_or_last<F, Fut, T>(limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = (bool, T)>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        let (done, value) = check().await;
+        if done || Instant::now() >= deadline {
+            return value;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Deterministic pseudo-random bytes (xorshift), so both ends of a transfer
 /// can produce and check the same stream without storing it.
 pub struct Pattern(u64);

@@ -99,6 +99,23 @@ impl Netns {
         Proc::spawn_named(program, "ip", &full, log_dir)
     }
 
+    /// A TCP listener inside the namespace, for a target this test process
+    /// serves itself: bound from a short-lived thread that entered the
+    /// namespace (a socket stays in the namespace it was made in).
+    pub fn bind_tcp(&self, addr: &str) -> std::net::TcpListener {
+        let path = format!("/var/run/netns/{}", self.name);
+        let addr = addr.to_owned();
+        std::thread::spawn(move || {
+            let netns = std::fs::File::open(&path).unwrap();
+            nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            let listener = std::net::TcpListener::bind(&addr).unwrap();
+            listener.set_nonblocking(true).unwrap();
+            listener
+        })
+        .join()
+        .unwrap()
+    }
+
     /// GET http://127.0.0.1:PORT/PATH from inside the namespace: status and body.
     pub fn http_get(&self, port: u16, path: &str) -> (u16, String) {
         let output = self
