@@ -73,21 +73,14 @@ impl RunArgs {
 }
 
 pub fn main(cli: Cli) -> anyhow::Result<()> {
-    raise_open_files_limit()?;
+    // 10,000 idle connections need more descriptors than the usual soft
+    // limit; children (targets, server, agent) inherit the raised one.
+    konnectivity_plumbing::raise_open_files_limit().context("raising RLIMIT_NOFILE")?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.command {
         Commands::Targets => runtime.block_on(targets::serve()),
         Commands::Run(args) => runtime.block_on(run(args)),
     }
-}
-
-/// 10,000 idle connections need more descriptors than the usual soft limit;
-/// children (targets, server, agent) inherit the raised one.
-fn raise_open_files_limit() -> anyhow::Result<()> {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    setrlimit(Resource::RLIMIT_NOFILE, hard, hard).context("raising RLIMIT_NOFILE")?;
-    Ok(())
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {

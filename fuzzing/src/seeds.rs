@@ -112,6 +112,12 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         dial_id: DialId::new(2),
         result: Err("dial tcp 10.0.0.9:80: connect: connection refused".to_owned()),
     };
+    // The dial answered, then 9 x 256 KiB: past the 2 MiB window.
+    let flood = |dialed: Frame| {
+        std::iter::once(dialed)
+            .chain(std::iter::repeat_with(|| data(5, 262_144)).take(9))
+            .collect::<Vec<_>>()
+    };
     for (name, switches, frames) in [
         (
             "dial-data-close",
@@ -141,35 +147,9 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         (
             "upstream-agent-floods-an-unread-connection",
             0,
-            vec![
-                dialed.clone(),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-            ],
+            flood(dialed.clone()),
         ),
-        (
-            "overrun",
-            1,
-            vec![
-                dialed.clone(),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-                data(5, 262_144),
-            ],
-        ),
+        ("overrun", 1, flood(dialed.clone())),
         (
             "unknown-ids",
             2,

@@ -183,27 +183,44 @@ pub fn client_config(
 ) -> Result<ClientConfig, TlsError> {
     let roots = match ca {
         Some(ca) => load_roots(ca)?,
-        None => {
-            let found = rustls_native_certs::load_native_certs();
-            if found.certs.is_empty() {
-                return Err(TlsError::SystemRoots(format!("{:?}", found.errors)));
-            }
-            let mut roots = RootCertStore::empty();
-            roots.add_parsable_certificates(found.certs);
-            roots
-        }
+        None => system_roots()?,
     };
+    match identity {
+        Some(identity) => {
+            let pair = load_identity(identity)?;
+            client_config_from(roots, Some(pair), alpn).map_err(|source| identity.pair_error(source))
+        }
+        None => {
+            Ok(client_config_from(roots, None, alpn)
+                .expect("without a client certificate nothing is refused"))
+        }
+    }
+}
+
+/// The system's trusted certificates.
+pub fn system_roots() -> Result<RootCertStore, TlsError> {
+    let found = rustls_native_certs::load_native_certs();
+    let mut roots = RootCertStore::empty();
+    roots.add_parsable_certificates(found.certs);
+    if roots.is_empty() {
+        return Err(TlsError::SystemRoots(format!("none found: {:?}", found.errors)));
+    }
+    Ok(roots)
+}
+
+/// Client-side TLS from certificates already loaded; the error is rustls'
+/// refusal of the certificate and key, the only thing that can fail here.
+pub fn client_config_from(
+    roots: RootCertStore,
+    identity: Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>,
+    alpn: &[&[u8]],
+) -> Result<ClientConfig, rustls::Error> {
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .expect("ring supports the default protocol versions")
         .with_root_certificates(roots);
     let mut config = match identity {
-        Some(identity) => {
-            let (certs, key) = load_identity(identity)?;
-            builder
-                .with_client_auth_cert(certs, key)
-                .map_err(|source| identity.pair_error(source))?
-        }
+        Some((certs, key)) => builder.with_client_auth_cert(certs, key)?,
         None => builder.with_no_client_auth(),
     };
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();

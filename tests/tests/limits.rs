@@ -20,6 +20,24 @@ async fn still_works(tunnel: &mut UnixStream, seed: u64) {
     assert_eq!(sent, received, "an open tunnel was disturbed by the refusal");
 }
 
+/// With a limit of two: two tunnels open, a third is refused with `status`
+/// and a body naming `flag`, and `counter` (at `port`) counts it once.
+async fn two_open_and_a_third_refused(
+    setup: &Setup,
+    target: &str,
+    status: u16,
+    flag: &str,
+    (port, counter): (u16, &str),
+) -> (UnixStream, UnixStream) {
+    let first = open(setup, target).await.expect("first tunnel");
+    let second = open(setup, target).await.expect("second tunnel");
+    let refused = open(setup, target).await.expect_err("a third is over the limit");
+    assert_eq!(refused.status, status, "{refused:?}");
+    assert!(refused.body.contains(flag), "{refused:?}");
+    assert_eq!(metric(port, counter).await, Some(1.0));
+    (first, second)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frontend_over_its_tunnel_limit_refuses_one_request_with_503() {
     let setup = Setup::with_flags(
@@ -31,25 +49,17 @@ async fn a_frontend_over_its_tunnel_limit_refuses_one_request_with_503() {
     .await;
     let target = targets::blob().await;
     let target = target.addr.to_string();
-    let mut first = open(&setup, &target).await.expect("first tunnel");
-    let mut second = open(&setup, &target).await.expect("second tunnel");
-
-    let refused = open(&setup, &target)
-        .await
-        .expect_err("a third tunnel is over the limit");
-    assert_eq!(refused.status, 503, "{refused:?}");
-    assert!(
-        refused.body.contains("--max-tunnels-per-frontend=2"),
-        "{refused:?}"
-    );
-    assert_eq!(
-        metric(
+    let (mut first, mut second) = two_open_and_a_third_refused(
+        &setup,
+        &target,
+        503,
+        "--max-tunnels-per-frontend=2",
+        (
             setup.server.health_port,
-            r#"konnectivity_network_proxy_server_tunnel_limit_refusals_total{frontend="apiserver"}"#
-        )
-        .await,
-        Some(1.0)
-    );
+            r#"konnectivity_network_proxy_server_tunnel_limit_refusals_total{frontend="apiserver"}"#,
+        ),
+    )
+    .await;
     still_works(&mut first, 1).await;
     still_works(&mut second, 2).await;
 
@@ -73,25 +83,17 @@ async fn an_agent_over_its_connection_limit_refuses_one_dial() {
     let setup = Setup::start("http-connect", true, &["--max-endpoint-connections=2".to_owned()]).await;
     let target = targets::blob().await;
     let target = target.addr.to_string();
-    let mut first = open(&setup, &target).await.expect("first tunnel");
-    let mut second = open(&setup, &target).await.expect("second tunnel");
-
-    let refused = open(&setup, &target)
-        .await
-        .expect_err("a third dial is over the agent's limit");
-    assert_eq!(refused.status, 502, "{refused:?}");
-    assert!(
-        refused.body.contains("--max-endpoint-connections=2"),
-        "{refused:?}"
-    );
-    assert_eq!(
-        metric(
+    let (mut first, mut second) = two_open_and_a_third_refused(
+        &setup,
+        &target,
+        502,
+        "--max-endpoint-connections=2",
+        (
             setup.agent.health_port,
-            r#"konnectivity_network_proxy_agent_endpoint_dial_failure_total{reason="limit"}"#
-        )
-        .await,
-        Some(1.0)
-    );
+            r#"konnectivity_network_proxy_agent_endpoint_dial_failure_total{reason="limit"}"#,
+        ),
+    )
+    .await;
     still_works(&mut first, 1).await;
     still_works(&mut second, 2).await;
     drop((first, second));

@@ -316,37 +316,21 @@ fn roots_from_pem(pem: &[u8]) -> Result<RootCertStore, String> {
 }
 
 fn system_roots() -> Result<RootCertStore, String> {
-    let found = rustls_native_certs::load_native_certs();
-    let mut roots = RootCertStore::empty();
-    roots.add_parsable_certificates(found.certs);
-    if roots.is_empty() {
-        return Err(format!(
-            "no certificate authority given and no system roots found: {:?}",
-            found.errors
-        ));
-    }
-    Ok(roots)
+    crate::tls::system_roots().map_err(|e| format!("no certificate authority given, and {e}"))
 }
 
 fn tls_config(roots: RootCertStore, identity: Option<(Vec<u8>, Vec<u8>)>) -> Result<ClientConfig, String> {
-    let builder = ClientConfig::builder_with_provider(crate::tls::provider())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .with_root_certificates(roots);
-    let mut config = match identity {
-        None => builder.with_no_client_auth(),
-        Some((cert, key)) => {
-            let chain = CertificateDer::pem_slice_iter(&cert)
+    let identity = match identity {
+        None => None,
+        Some((cert, key)) => Some((
+            CertificateDer::pem_slice_iter(&cert)
                 .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| format!("client certificate: {e}"))?;
-            let key = PrivateKeyDer::from_pem_slice(&key).map_err(|e| format!("client key: {e}"))?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| format!("client certificate and key: {e}"))?
-        }
+                .map_err(|e| format!("client certificate: {e}"))?,
+            PrivateKeyDer::from_pem_slice(&key).map_err(|e| format!("client key: {e}"))?,
+        )),
     };
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(config)
+    crate::tls::client_config_from(roots, identity, &[b"http/1.1"])
+        .map_err(|e| format!("client certificate and key: {e}"))
 }
 
 /// Splits `https://host:port/prefix` into its parts; the port defaults to 443.
