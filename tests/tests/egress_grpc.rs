@@ -127,7 +127,7 @@ async fn a_thousand_concurrent_dials_over_one_connection_then_nothing_is_left_be
         }
         setup.assert_gauges_return_to_zero().await;
         match &baseline {
-            None => baseline = Some(setup.resources().await),
+            None => baseline = Some(setup.baseline().await),
             Some(baseline) => setup.assert_resources_return_to(baseline).await,
         }
     }

@@ -69,10 +69,10 @@ async fn five_thousand_abandoned_tunnels_leave_nothing_behind() {
     let target = target.addr.to_string();
     round_trip(&setup, &target, MIB, 1).await;
     setup.assert_gauges_return_to_zero().await;
-    let before = setup.resources().await;
+    let before = setup.baseline().await;
     drop(open_idle_tunnels(&setup, &target, TUNNELS).await);
     setup.assert_gauges_return_to_zero().await;
-    let baseline = setup.resources().await;
+    let baseline = setup.baseline().await;
     eprintln!("before any: {before:?}\nafter the first round: {baseline:?}");
     assert_eq!(
         (baseline.server_fds, baseline.agent_fds),

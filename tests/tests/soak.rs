@@ -159,7 +159,7 @@ async fn soak_with_agent_restarts_corrupts_nothing_and_leaks_nothing() {
         warmup.await.unwrap();
     }
     setup.assert_gauges_return_to_zero().await;
-    let baseline = setup.resources().await;
+    let baseline = setup.baseline().await;
 
     let totals = Arc::new(Mutex::new(Totals::default()));
     let started = Instant::now();

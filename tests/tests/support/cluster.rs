@@ -92,6 +92,15 @@ impl Setup {
         }
     }
 
+    /// Resources to compare against later: taken once the descriptor counts
+    /// have held still, so a socket of a connection that just ended, still
+    /// closing, is not counted into the baseline.
+    pub async fn baseline(&self) -> Resources {
+        settled_fds(self.server.proc.pid()).await;
+        settled_fds(self.agent.proc.pid()).await;
+        self.resources().await
+    }
+
     /// Waits until resources are back to `baseline`: the same descriptors
     /// and tasks (the exact signs of a leak), and resident memory at most
     /// twice it (see [`Resources::back_to`]).
