@@ -346,11 +346,13 @@ impl Session {
             if let Some(error) = &closed.error {
                 tracing::debug!(connect_id = %closed.connect_id, %error, "endpoint connection failed");
             }
-            // Upstream servers treat any CLOSE_RSP as the end of the
-            // connection; an error here would only be logged.
+            // The error tells the client its connection was cut (a reset),
+            // not ended: a reader of "everything until EOF" must not take a
+            // truncated answer for a whole one. Upstream's servers and
+            // clients accept the field (its Close() returns it).
             self.send(Frame::CloseResponse {
                 connect_id: closed.connect_id,
-                error: None,
+                error: closed.error,
             })
             .await?;
         }

@@ -242,6 +242,29 @@ async fn cancelling_a_pending_dial_leaves_no_connection_on_the_agent() {
     setup.assert_gauges_return_to_zero().await;
 }
 
+/// A target that resets its connection (a crash, an abort) must show as an
+/// error to the caller, as it would over direct TCP, and not as a clean end
+/// a reader could take for a complete answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_resets_fails_the_callers_read_with_the_reset() {
+    let setup = Setup::start("grpc", true, &[]).await;
+    let target = targets::blob().await;
+    let tunnel = tunnel(&setup, true).await;
+    let mut stream = tunnel.dial(&target.addr.to_string()).await.unwrap();
+    targets::request_reset(&mut stream, 1024 * 1024, 5).await.unwrap();
+    let end = tokio::time::timeout(
+        Duration::from_secs(10),
+        targets::read_until_reset(&mut stream, 1024 * 1024, 5),
+    )
+    .await
+    .expect("the reset must end the read promptly");
+    let error = end.expect_err("a reset target must fail the read, not end it cleanly");
+    assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}");
+    assert!(error.to_string().contains("reset"), "{error}");
+    drop(stream);
+    setup.assert_gauges_return_to_zero().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_killed_mid_stream_fails_the_callers_read_promptly() {
     let mut setup = Setup::start("grpc", true, &[]).await;

@@ -336,6 +336,30 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
 /// With ours, a client that stops reading (its target keeps sending) and a
 /// target that stops reading (its client keeps sending) leave a third
 /// connection on the same agent stream free to dial and move 64 MiB each way.
+/// Over TCP the client gets what it would get from the target directly: a
+/// reset after every byte sent before it, not a clean close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_that_resets_resets_the_clients_connection() {
+    let setup = setup(false, &[]).await;
+    let target = targets::blob().await;
+    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+    let mut tunnel = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string())
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+    targets::request_reset(&mut tunnel, 1024 * 1024, 6).await.unwrap();
+    let end = tokio::time::timeout(
+        Duration::from_secs(10),
+        targets::read_until_reset(&mut tunnel, 1024 * 1024, 6),
+    )
+    .await
+    .expect("the reset must end the read promptly");
+    let error = end.expect_err("a reset target must reset the client, not close cleanly");
+    assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}");
+    drop(tunnel);
+    assert_gauges_return_to_zero(&setup).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_connections_do_not_stall_others_on_the_agent_stream() {
     let setup = setup(true, &[]).await;

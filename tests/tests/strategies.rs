@@ -10,13 +10,12 @@ use support::connect::via_uds;
 use support::procs::{Agent, Server};
 use support::scrape::metric;
 use support::targets::{self, Target};
-use tokio::net::TcpListener;
 
 const DIALS: &str = "konnectivity_network_proxy_agent_dial_duration_seconds_count";
 
 /// A blob target on `ip` (any 127.0.0.0/8 address is loopback).
 async fn target_on(ip: &str) -> (Target, String) {
-    let target = targets::blob_on(TcpListener::bind((ip, 0)).await.unwrap()).await;
+    let target = targets::blob_on(targets::listener_on(ip.parse().unwrap())).await;
     let address = target.addr.to_string();
     (target, address)
 }

@@ -41,7 +41,14 @@ impl TempDir {
 }
 
 impl Drop for TempDir {
+    /// Removes the directory, except when a test is failing: then its
+    /// processes' logs (and certificates, configs) are kept for a look, and
+    /// the processes, which may be dropped after this, can still print them.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("kept {} (the test failed)", self.0.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -114,10 +114,18 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // A process that died on its own (a crash) is the first thing to
+        // know when a test fails: it leaves no log line behind.
+        let exited = self.child.try_wait();
         self.kill();
         if std::thread::panicking() {
+            let status = match exited {
+                Ok(Some(status)) => format!("had exited by itself: {status}"),
+                Ok(None) => "was running".to_owned(),
+                Err(error) => format!("state unknown: {error}"),
+            };
             eprintln!(
-                "---- {} log ({}) ----\n{}",
+                "---- {} log ({}; {status}) ----\n{}",
                 self.name,
                 self.log.display(),
                 self.log_text()

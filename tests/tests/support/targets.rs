@@ -23,12 +23,22 @@ impl Drop for Target {
     }
 }
 
+/// A loopback listener on `ip` (any 127.0.0.0/8 address) and a free port,
+/// with a backlog for a thousand dials arriving at once: with tokio's
+/// default (1024) the kernel falls back to SYN cookies under such a burst
+/// and resets some of the connections the agent already has.
+pub fn listener_on(ip: std::net::IpAddr) -> TcpListener {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(ip, 0)).unwrap();
+    socket.listen(4096).unwrap()
+}
+
 async fn serve<F, Fut>(handler: F) -> Target
 where
     F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    serve_on(TcpListener::bind("127.0.0.1:0").await.unwrap(), handler)
+    serve_on(listener_on([127, 0, 0, 1].into()), handler)
 }
 
 fn serve_on<F, Fut>(listener: TcpListener, handler: F) -> Target
@@ -38,8 +48,16 @@ where
 {
     let addr = listener.local_addr().unwrap();
     let task = tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(handler(stream));
+        loop {
+            match listener.accept().await {
+                Ok((stream, _)) => drop(tokio::spawn(handler(stream))),
+                // One failed accept (a connection reset while queued, a
+                // moment without descriptors) must not close the target.
+                Err(error) => {
+                    eprintln!("target {addr}: accept failed: {error}");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            }
         }
     });
     Target { addr, task }
@@ -71,9 +89,12 @@ pub async fn http(body: &'static str) -> Target {
 ///   their SHA-256 (the protocol has no half-close, so the length says when
 ///   the upload is complete);
 /// - `G` get: the target sends `len` bytes of [`Pattern`];
-/// - `E` echo: the target echoes everything until the client closes.
+/// - `E` echo: the target echoes everything until the client closes;
+/// - `R` reset: the target sends `len` bytes of [`Pattern`], waits for one
+///   byte from the client (so every byte is known to have arrived), then
+///   resets the connection, as a crashing or aborting server would.
 pub async fn blob() -> Target {
-    blob_on(TcpListener::bind("127.0.0.1:0").await.unwrap()).await
+    blob_on(listener_on([127, 0, 0, 1].into())).await
 }
 
 /// [`blob`] on a listener of the caller's choosing.
@@ -106,6 +127,16 @@ pub async fn blob_on(listener: TcpListener) -> Target {
                     if write_pattern(&mut stream, len, seed).await.is_err() {
                         return;
                     }
+                }
+                b'R' => {
+                    let mut ack = [0u8; 1];
+                    if write_pattern(&mut stream, len, seed).await.is_err()
+                        || stream.read_exact(&mut ack).await.is_err()
+                    {
+                        return;
+                    }
+                    let _ = socket2::SockRef::from(&stream).set_linger(Some(std::time::Duration::ZERO));
+                    return;
                 }
                 b'E' => {
                     let (mut read, mut write) = stream.split();
@@ -235,6 +266,32 @@ pub async fn read_digest<S: AsyncRead + Unpin>(stream: &mut S, len: u64) -> std:
 /// Asks the target to send `len` pattern bytes, without reading them.
 pub async fn request_pull<S: AsyncWrite + Unpin>(stream: &mut S, len: u64, seed: u64) -> std::io::Result<()> {
     stream.write_all(&header(b'G', len, seed)).await
+}
+
+/// Asks the target to send `len` pattern bytes and reset the connection
+/// once the client sends a byte.
+pub async fn request_reset<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    len: u64,
+    seed: u64,
+) -> std::io::Result<()> {
+    stream.write_all(&header(b'R', len, seed)).await
+}
+
+/// Reads the `len` bytes of a [`request_reset`], acknowledges them and
+/// returns how the stream ends after that: `Ok(())` for a clean end of
+/// stream (wrong: a reset must not look like one), or the read's error.
+pub async fn read_until_reset<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    len: u64,
+    seed: u64,
+) -> std::io::Result<()> {
+    assert_eq!(read_digest(stream, len).await?, pattern_digest(len, seed));
+    stream.write_all(b"k").await?;
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).await?;
+    assert!(rest.is_empty(), "{} bytes after the pattern", rest.len());
+    Ok(())
 }
 
 /// Starts an echo exchange.
