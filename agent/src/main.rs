@@ -43,7 +43,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     let captures = config.node.is_some();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = konnectivity_plumbing::runtime::multi_thread()?;
     let result = runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
         let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);

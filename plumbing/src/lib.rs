@@ -10,7 +10,9 @@ pub mod limit;
 pub mod logging;
 pub mod metrics;
 pub mod net;
+pub mod runtime;
 pub mod signals;
+pub mod sys;
 pub mod tls;
 
 /// Formats an error with all its sources (`outer: inner: root cause`), for

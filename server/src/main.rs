@@ -24,7 +24,7 @@ fn main() -> anyhow::Result<()> {
         Err(error) => tracing::warn!(%error, "cannot raise the open files limit"),
     }
 
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = konnectivity_plumbing::runtime::multi_thread()?;
     runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
         let shutdown = async move {

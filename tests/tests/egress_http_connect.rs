@@ -364,6 +364,15 @@ async fn a_target_that_resets_resets_the_clients_connection() {
 async fn stalled_connections_do_not_stall_others_on_the_agent_stream() {
     let setup = setup(true, &[]).await;
     let target = targets::blob().await;
+    // One tunnel first, so lazily made buffers are part of the baseline.
+    let mut warm_up = via_uds(setup.server.uds_path(), &target.addr.to_string())
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+    targets::push(&mut warm_up, 1 << 20, 1).await.unwrap();
+    drop(warm_up);
+    assert_gauges_return_to_zero(&setup).await;
+    let baseline = setup.baseline().await;
     let blackhole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let blackhole_addr = blackhole.local_addr().unwrap().to_string();
     let held = tokio::spawn(async move {
@@ -408,15 +417,34 @@ async fn stalled_connections_do_not_stall_others_on_the_agent_stream() {
         .expect("connections beside a stalled one must not stall");
 
     // The stalled ones were held, not dropped: what they buffer is bounded
-    // by their windows, and they close cleanly.
+    // by their windows (no process holds more than a few MiB for them,
+    // however much their peers try to send), and they close cleanly.
     assert!(
         !writer.is_finished(),
         "the writer towards the blackhole is still blocked"
     );
+    let stalled = setup.resources().await;
+    eprintln!("baseline {baseline:?}\nwhile stalled {stalled:?}");
+    for (now, before, who) in [
+        (stalled.server_rss_kib, baseline.server_rss_kib, "server"),
+        (stalled.agent_rss_kib, baseline.agent_rss_kib, "agent"),
+    ] {
+        assert!(
+            now < before + 32 * 1024,
+            "{who} holds {} KiB more for two stalled connections",
+            now - before
+        );
+    }
     writer.abort();
     drop(unread);
     held.abort();
+    let released = Instant::now();
     assert_gauges_return_to_zero(&setup).await;
+    eprintln!(
+        "stalled connections released {:?} after their clients left",
+        released.elapsed()
+    );
+    setup.assert_resources_return_to(&baseline).await;
 }
 
 /// `--backend-dial-timeout` bounds how long the server waits for DIAL_RSP,

@@ -103,7 +103,7 @@ impl Setup {
 
     /// Waits until resources are back to `baseline`: the same descriptors
     /// and tasks (the exact signs of a leak), and resident memory at most
-    /// twice it (see [`Resources::back_to`]).
+    /// 10% above it (see [`memory_back_to`]).
     pub async fn assert_resources_return_to(&self, baseline: &Resources) {
         let mut last = None;
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
@@ -130,21 +130,53 @@ pub struct Resources {
 }
 
 impl Resources {
-    /// Descriptors and tasks as in `baseline`, memory at most twice it.
-    /// Memory is only bounded, not matched: after bursts of concurrent bulk
-    /// transfers the server keeps up to ~17 MiB more than before (h2's and
-    /// the runtime's buffers keep their high-water capacity), a plateau that
-    /// does not grow with more rounds or time, while descriptors and tasks
-    /// come back exactly.
+    /// Descriptors and tasks exactly as in `baseline`, resident memory at
+    /// most 10% above it (below is fine: see [`memory_back_to`]).
     pub fn back_to(&self, baseline: &Resources) -> bool {
-        let within = |now: u64, before: u64| now <= 2 * before;
         self.server_fds == baseline.server_fds
             && self.agent_fds == baseline.agent_fds
             && self.server_tasks == baseline.server_tasks
             && self.agent_tasks == baseline.agent_tasks
-            && within(self.server_rss_kib, baseline.server_rss_kib)
-            && within(self.agent_rss_kib, baseline.agent_rss_kib)
+            && memory_back_to(self.server_rss_kib, baseline.server_rss_kib)
+            && memory_back_to(self.agent_rss_kib, baseline.agent_rss_kib)
     }
+}
+
+impl Resources {
+    /// A baseline from two warm-up rounds: the same descriptors and tasks
+    /// (else something leaked already), and the higher memory of the two,
+    /// since between identical rounds resident memory moves by up to ±20%
+    /// with no trend (which pages the allocator can give back depends on
+    /// where each burst's last long-lived allocations land). A leak shows as
+    /// growth beyond that.
+    pub fn highest(self, other: Resources) -> Resources {
+        let counts = |r: &Resources| (r.server_fds, r.agent_fds, r.server_tasks, r.agent_tasks);
+        assert_eq!(
+            counts(&self),
+            counts(&other),
+            "descriptors or tasks differ between two warm-up rounds"
+        );
+        Resources {
+            server_rss_kib: self.server_rss_kib.max(other.server_rss_kib),
+            agent_rss_kib: self.agent_rss_kib.max(other.agent_rss_kib),
+            ..self
+        }
+    }
+}
+
+/// Resident memory `now` is back to `before`: at most 10% above it.
+///
+/// Memory comes back because the binaries' runtime workers hand what they
+/// freed back to the allocator when they go idle (plumbing's
+/// `runtime::multi_thread`), and the test processes run with mimalloc told
+/// to return free pages to the OS at once (see support::procs). Less than
+/// the baseline is no leak: memory one worker freed into another's pages
+/// stays resident until that other worker next runs, so a baseline can
+/// still hold some. Baselines are taken after a warm-up at the test's own
+/// concurrency: the runtime keeps the I/O tables, and h2 the stream tables,
+/// its peak needed, which a first round grows once and later ones reuse.
+pub fn memory_back_to(now: u64, before: u64) -> bool {
+    now * 10 <= before * 11
 }
 
 /// Resident memory of a process, from /proc (0 if it is gone).

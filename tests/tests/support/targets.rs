@@ -23,12 +23,16 @@ impl Drop for Target {
     }
 }
 
-/// A loopback listener on `ip` (any 127.0.0.0/8 address) and a free port,
+/// A loopback listener on `ip` (any 127.0.0.0/8 address, or ::1) and a free port,
 /// with a backlog for a thousand dials arriving at once: with tokio's
 /// default (1024) the kernel falls back to SYN cookies under such a burst
 /// and resets some of the connections the agent already has.
 pub fn listener_on(ip: std::net::IpAddr) -> TcpListener {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    let socket = match ip {
+        std::net::IpAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        std::net::IpAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    }
+    .unwrap();
     socket.bind(SocketAddr::new(ip, 0)).unwrap();
     socket.listen(4096).unwrap()
 }
