@@ -280,6 +280,14 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
     let mut setup = setup(false, &[]).await;
     let target = targets::blob().await;
     let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+    let mut warm_up = via_tls(setup.server.tcp_port(), tls.clone(), &target.addr.to_string())
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+    targets::push(&mut warm_up, 8 << 20, 1).await.unwrap();
+    drop(warm_up);
+    assert_gauges_return_to_zero(&setup).await;
+    let baseline = setup.baseline().await;
     let mut tunnel = via_tls(setup.server.tcp_port(), tls.clone(), &target.addr.to_string())
         .await
         .unwrap()
@@ -329,6 +337,8 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
     assert_eq!(sent, received);
     drop(tunnel);
     assert_gauges_return_to_zero(&setup).await;
+    // The server kept nothing of the dead agent or its connection.
+    setup.assert_server_returns_to(&baseline).await;
 }
 
 /// Upstream's protocol has no per-connection flow control: one connection

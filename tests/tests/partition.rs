@@ -10,7 +10,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use support::certs::Pki;
-use support::cluster::open_fds;
+use support::cluster::{memory_back_to, open_fds, rss_kib, settled_fds};
 use support::connect::via_uds;
 use support::netns::{Netns, link, root_or_skip};
 use support::targets::{self, pattern_digest};
@@ -41,7 +41,7 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
     );
 
     let socket = dir.path().join("frontend.sock");
-    let _server = control_plane.spawn(
+    let server = control_plane.spawn(
         "proxy-server",
         &[
             "--mode=http-connect".to_owned(),
@@ -102,8 +102,11 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
             Ok::<_, std::io::Error>(())
         }
     };
-    transfer(4 * MIB, 1).await.unwrap();
-    let agent_fds = support::cluster::settled_fds(agent.pid()).await;
+    // The same transfer as after the partition, so the baseline holds what
+    // it needs.
+    transfer(16 * MIB, 1).await.unwrap();
+    let fds = (settled_fds(server.pid()).await, settled_fds(agent.pid()).await);
+    let memory = (rss_kib(server.pid()), rss_kib(agent.pid()));
 
     // An endless pull is running when the link goes down.
     let mut tunnel = via_uds(&socket, &target)
@@ -159,14 +162,20 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
     let node_ref = &node;
     wait_until(
         Duration::from_secs(15),
-        "the agent's endpoints and descriptors back",
+        "the agent's endpoints, both processes' descriptors and memory back",
         || async {
             node_ref.metric(
                 AGENT_HEALTH,
                 "konnectivity_network_proxy_agent_open_endpoint_connections",
             ) == Some(0.0)
-                && open_fds(agent.pid()) == agent_fds
+                && (open_fds(server.pid()), open_fds(agent.pid())) == fds
+                && memory_back_to(rss_kib(server.pid()), memory.0)
+                && memory_back_to(rss_kib(agent.pid()), memory.1)
         },
     )
     .await;
+    eprintln!(
+        "memory before {memory:?} KiB, after {:?} KiB",
+        (rss_kib(server.pid()), rss_kib(agent.pid()))
+    );
 }

@@ -105,17 +105,36 @@ impl Setup {
     /// and tasks (the exact signs of a leak), and resident memory at most
     /// 10% above it (see [`memory_back_to`]).
     pub async fn assert_resources_return_to(&self, baseline: &Resources) {
+        self.wait_back_to(baseline, "server and agent", Resources::back_to)
+            .await;
+    }
+
+    /// As [`Setup::assert_resources_return_to`], for the server alone (the
+    /// agent beside it may be a new process, as after an agent crash).
+    pub async fn assert_server_returns_to(&self, baseline: &Resources) {
+        self.wait_back_to(baseline, "server", Resources::server_back_to)
+            .await;
+    }
+
+    /// As [`Setup::assert_resources_return_to`], for the agent alone (the
+    /// server may be a new process).
+    pub async fn assert_agent_returns_to(&self, baseline: &Resources) {
+        self.wait_back_to(baseline, "agent", Resources::agent_back_to)
+            .await;
+    }
+
+    async fn wait_back_to(&self, baseline: &Resources, who: &str, back: fn(&Resources, &Resources) -> bool) {
         let mut last = None;
         let deadline = std::time::Instant::now() + Duration::from_secs(15);
         while std::time::Instant::now() < deadline {
             let now = self.resources().await;
-            if now.back_to(baseline) {
+            if back(&now, baseline) {
                 return;
             }
             last = Some(now);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("resources did not return to baseline {baseline:?}: last {last:?}");
+        panic!("{who} resources did not return to baseline {baseline:?}: last {last:?}");
     }
 }
 
@@ -133,11 +152,20 @@ impl Resources {
     /// Descriptors and tasks exactly as in `baseline`, resident memory at
     /// most 10% above it (below is fine: see [`memory_back_to`]).
     pub fn back_to(&self, baseline: &Resources) -> bool {
+        self.server_back_to(baseline) && self.agent_back_to(baseline)
+    }
+
+    /// [`Resources::back_to`] for the server's figures only.
+    pub fn server_back_to(&self, baseline: &Resources) -> bool {
         self.server_fds == baseline.server_fds
-            && self.agent_fds == baseline.agent_fds
             && self.server_tasks == baseline.server_tasks
-            && self.agent_tasks == baseline.agent_tasks
             && memory_back_to(self.server_rss_kib, baseline.server_rss_kib)
+    }
+
+    /// [`Resources::back_to`] for the agent's figures only.
+    pub fn agent_back_to(&self, baseline: &Resources) -> bool {
+        self.agent_fds == baseline.agent_fds
+            && self.agent_tasks == baseline.agent_tasks
             && memory_back_to(self.agent_rss_kib, baseline.agent_rss_kib)
     }
 }
