@@ -8,7 +8,7 @@
 pub mod seeds;
 mod streams;
 
-pub use streams::{agent_stream, server_stream};
+pub use streams::{agent_stream, frontend_stream, server_stream};
 
 use konnectivity_agent::capture::map::Capture;
 use konnectivity_proto::AgentIdentifiers;
@@ -18,13 +18,14 @@ use konnectivity_server::frontend::connect::{MAX_HEAD, parse_head};
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets, by the name of their directory under `fuzz/corpus`.
-pub const TARGETS: [(&str, Target); 6] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("connect_head", connect_head),
     ("agent_identifiers", agent_identifiers),
     ("capture", capture),
     ("cni_plugin", cni_plugin),
     ("server_stream", server_stream),
     ("agent_stream", agent_stream),
+    ("frontend_stream", frontend_stream),
 ];
 
 /// The HTTP CONNECT request head parser. A request it accepts names a

@@ -292,6 +292,65 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         let packets: Vec<Packet> = frames.into_iter().map(Packet::from).collect();
         add("agent_stream", name, encode(switches, &packets));
     }
+
+    // Frontend client: the agent behind the server numbers connections from 1.
+    let close = |connect_id| Frame::CloseRequest {
+        connect_id: id(connect_id),
+    };
+    for (name, switches, frames) in [
+        ("dial-data-close", 2, vec![dial(1), data(1, 2048), close(1)]),
+        (
+            "flow-echo-bulk",
+            3,
+            std::iter::once(dial(1))
+                .chain(std::iter::repeat_with(|| data(1, 262_144)).take(12))
+                .collect(),
+        ),
+        (
+            "never-reads",
+            1,
+            std::iter::once(dial(1))
+                .chain(std::iter::repeat_with(|| data(1, 262_144)).take(12))
+                .collect(),
+        ),
+        (
+            "out-of-order",
+            2,
+            vec![
+                data(1, 10),
+                close(5),
+                dial(3),
+                dial(4),
+                Frame::CloseDial {
+                    dial_id: DialId::new(3),
+                },
+                data(9, 10),
+            ],
+        ),
+        (
+            "client-sends-agent-packets",
+            2,
+            vec![
+                Frame::DialResponse {
+                    dial_id: DialId::new(1),
+                    result: Ok(id(1)),
+                },
+                Frame::Drain,
+                dial(1),
+                Frame::CloseResponse {
+                    connect_id: id(1),
+                    error: None,
+                },
+                Frame::WindowUpdate {
+                    connect_id: id(1),
+                    bytes: 1 << 30,
+                },
+            ],
+        ),
+    ] {
+        let packets: Vec<Packet> = frames.into_iter().map(Packet::from).collect();
+        add("frontend_stream", name, encode(switches, &packets));
+    }
     seeds
 }
 

@@ -1,5 +1,7 @@
 //! Arbitrary packet sequences on an agent stream, seen from the server's
-//! side and from the agent's. Input: one byte of switches, then packets in
+//! side and from the agent's, and on a frontend client's Proxy stream into
+//! the server (with a real agent session behind it). Input: one byte of
+//! switches, then packets in
 //! protobuf's length-delimited framing (as many as decode), so the fuzzer
 //! can send wrong payloads for a type, unknown types, and huge, zero or
 //! negative ids.
@@ -44,46 +46,79 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a runtime")
 }
 
+/// A server's session for one agent stream, with the agent end left to the
+/// caller: `from_agent` feeds the session, `to_agent` is what it sends.
+struct ServerSide {
+    registry: Arc<konnectivity_server::backend::registry::Registry>,
+    backend: Arc<konnectivity_server::backend::Backend>,
+    metrics: Arc<konnectivity_server::metrics::ServerMetrics>,
+    from_agent: mpsc::UnboundedSender<Result<Packet, tonic::Status>>,
+    to_agent: mpsc::Receiver<Packet>,
+    session: tokio::task::JoinHandle<()>,
+}
+
+/// Starts a [`ServerSide`] whose agent did (or did not) negotiate flow
+/// control. Needs a runtime.
+fn server_side(flow_control: bool) -> ServerSide {
+    use konnectivity_server::backend::registry::Registry;
+    use konnectivity_server::backend::strategy::Strategy;
+    use konnectivity_server::backend::{Backend, BackendId, session};
+    use konnectivity_server::metrics::ServerMetrics;
+
+    let metrics = Arc::new(ServerMetrics::default());
+    let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
+    let (outbound, to_agent) = mpsc::channel(64);
+    let (commands_tx, commands) = mpsc::channel(16);
+    let backend = Arc::new(Backend::new(
+        BackendId(1),
+        "fuzzed-agent".to_owned(),
+        Default::default(),
+        false,
+        flow_control,
+        outbound,
+        commands_tx,
+        metrics.clone(),
+    ));
+    registry.add(backend.clone());
+    let (from_agent, inbound) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
+    let session = tokio::spawn(session::run(
+        backend.clone(),
+        UnboundedReceiverStream::new(inbound),
+        commands,
+        registry.clone(),
+        metrics.clone(),
+    ));
+    ServerSide {
+        registry,
+        backend,
+        metrics,
+        from_agent,
+        to_agent,
+        session,
+    }
+}
+
 /// The server's session for one agent stream. Switches: bit 0, the agent
 /// negotiated flow control; bit 1, the frontends read what reaches them
 /// (otherwise they read nothing and go away at the end).
 pub fn server_stream(data: &[u8]) {
-    use konnectivity_server::backend::registry::Registry;
-    use konnectivity_server::backend::strategy::Strategy;
-    use konnectivity_server::backend::{Backend, BackendId, Command, Event, session};
-    use konnectivity_server::metrics::ServerMetrics;
+    use konnectivity_server::backend::{Command, Event};
 
     let (switches, packets) = decode(data);
     let flow_control = switches & 1 != 0;
     let frontends_read = switches & 2 != 0;
     runtime().block_on(async {
-        let metrics = Arc::new(ServerMetrics::default());
-        let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
-        let (outbound, mut to_agent) = mpsc::channel(64);
-        let (commands_tx, commands) = mpsc::channel(16);
-        let backend = Arc::new(Backend::new(
-            BackendId(1),
-            "fuzzed-agent".to_owned(),
-            Default::default(),
-            false,
-            flow_control,
-            outbound,
-            commands_tx,
-            metrics.clone(),
-        ));
-        registry.add(backend.clone());
+        let ServerSide {
+            backend,
+            metrics,
+            from_agent,
+            mut to_agent,
+            session,
+            ..
+        } = server_side(flow_control);
         // What the server sends the agent is not under test here; keep the
         // queue moving so the session never waits on it.
         tokio::spawn(async move { while to_agent.recv().await.is_some() {} });
-
-        let (from_agent, inbound) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
-        let session = tokio::spawn(session::run(
-            backend.clone(),
-            UnboundedReceiverStream::new(inbound),
-            commands,
-            registry,
-            metrics.clone(),
-        ));
 
         // Two frontends wait on dials 1 and 2, which fuzzed DIAL_RSPs may answer.
         let mut frontends = Vec::new();
@@ -140,35 +175,59 @@ pub fn server_stream(data: &[u8]) {
     });
 }
 
+/// A local listener echoing whatever it is sent: where the harnesses send
+/// every fuzzed dial, so no input reaches beyond this process.
+async fn echo_listener() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a local port");
+    let echo = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (mut read, mut write) = socket.split();
+                let _ = tokio::io::copy(&mut read, &mut write).await;
+            });
+        }
+    });
+    echo
+}
+
+/// Points a DIAL_REQ at `echo`; leaves any other packet alone.
+fn redirect_dial(packet: &mut Packet, echo: &str) {
+    use konnectivity_proto::wire::packet::Payload;
+    if packet.r#type == PacketType::DialReq as i32
+        && let Some(Payload::DialRequest(request)) = &mut packet.payload
+    {
+        request.address = echo.to_owned();
+    }
+}
+
+/// Waits until `done` holds, for at most `DEADLINE`; panics with `what`.
+async fn settles(what: &str, done: impl Fn() -> bool) {
+    let wait = async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    if tokio::time::timeout(DEADLINE, wait).await.is_err() {
+        panic!("{what}");
+    }
+}
+
 /// The agent's session for one server stream. Switch bit 0: flow control
 /// negotiated. Every DIAL_REQ is sent to a local echo listener instead of
 /// its fuzzed address, so no input reaches beyond this process.
 pub fn agent_stream(data: &[u8]) {
     use konnectivity_agent::metrics::AgentMetrics;
-    use konnectivity_agent::session::{self, SessionSettings};
-    use konnectivity_proto::wire::packet::Payload;
+    use konnectivity_agent::session;
 
     let (switches, mut packets) = decode(data);
     let flow_control = switches & 1 != 0;
     runtime().block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("a local port");
-        let echo = listener.local_addr().unwrap().to_string();
-        tokio::spawn(async move {
-            while let Ok((mut socket, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let (mut read, mut write) = socket.split();
-                    let _ = tokio::io::copy(&mut read, &mut write).await;
-                });
-            }
-        });
+        let echo = echo_listener().await;
         for packet in &mut packets {
-            if packet.r#type == PacketType::DialReq as i32
-                && let Some(Payload::DialRequest(request)) = &mut packet.payload
-            {
-                request.address = echo.clone();
-            }
+            redirect_dial(packet, &echo);
         }
 
         let metrics = Arc::new(AgentMetrics::default());
@@ -176,16 +235,11 @@ pub fn agent_stream(data: &[u8]) {
         tokio::spawn(async move { while to_server.recv().await.is_some() {} });
         let (from_server, inbound) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
         let (_drain_tx, drain) = watch::channel(false);
-        let settings = SessionSettings {
-            dial_timeout: Duration::from_secs(1),
-            endpoint_limit: None,
-            mark: None,
-        };
         let session = tokio::spawn(session::run(
             UnboundedReceiverStream::new(inbound),
             outbound,
             flow_control,
-            settings,
+            agent_settings(),
             metrics.clone(),
             drain,
         ));
@@ -198,13 +252,283 @@ pub fn agent_stream(data: &[u8]) {
             .expect("the session hung after its stream ended")
             .expect("the session panicked");
         // Endpoint sockets close as their tasks see the session gone.
-        let released = async {
-            while metrics.open_endpoint_connections.get() != 0 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(5), released)
-            .await
-            .expect("endpoint connections outlived their session");
+        settles("endpoint connections outlived their session", || {
+            metrics.open_endpoint_connections.get() == 0
+        })
+        .await;
     });
+}
+
+fn agent_settings() -> konnectivity_agent::session::SessionSettings {
+    konnectivity_agent::session::SessionSettings {
+        dial_timeout: Duration::from_secs(1),
+        endpoint_limit: None,
+        mark: None,
+    }
+}
+
+/// A frontend client's Proxy stream (kube-apiserver's side of the gRPC
+/// frontend), into a server whose one agent is a real agent session wired
+/// to it in memory; every dial reaches a local echo listener. Switches:
+/// bit 0, flow control negotiated; bit 1, the client reads what it is sent
+/// (otherwise it reads nothing and goes away at the end).
+///
+/// After the client's stream ends and the client is gone, the frontend
+/// must end, and no tunnel, pending dial or endpoint socket may be left on
+/// the server or the agent.
+pub fn frontend_stream(data: &[u8]) {
+    frontend_exchange(data);
+}
+
+/// What the harness's client has read so far.
+#[derive(Default)]
+struct Answers {
+    frames: Vec<konnectivity_proto::Frame>,
+    /// The server ended its answer.
+    ended: bool,
+}
+
+/// Waits for the first answer `wanted` picks (`None` if the answer ended
+/// without one); panics with `missing` if none comes within `DEADLINE`.
+async fn await_answer(
+    answers: &watch::Receiver<Answers>,
+    missing: &str,
+    wanted: impl Fn(&konnectivity_proto::Frame) -> bool,
+) -> Option<konnectivity_proto::Frame> {
+    let mut answers = answers.clone();
+    let wait = answers.wait_for(|answers| answers.ended || answers.frames.iter().any(&wanted));
+    match tokio::time::timeout(DEADLINE, wait).await {
+        Ok(Ok(answers)) => answers.frames.iter().find(|frame| wanted(frame)).cloned(),
+        // The reader went away (the client does not read).
+        Ok(Err(_)) => None,
+        Err(_) => panic!("{missing}"),
+    }
+}
+
+/// [`frontend_stream`], returning what the client read.
+fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
+    use konnectivity_agent::metrics::AgentMetrics;
+    use konnectivity_agent::session;
+    use konnectivity_proto::Frame;
+    use konnectivity_server::frontend::grpc::serve_client;
+    use konnectivity_server::policy::FrontendClass;
+    use konnectivity_server::tunnel::Dialer;
+    use tokio_stream::StreamExt;
+
+    let (switches, packets) = decode(data);
+    let flow_control = switches & 1 != 0;
+    let client_reads = switches & 2 != 0;
+    runtime().block_on(async {
+        let echo = echo_listener().await;
+        let ServerSide {
+            registry,
+            metrics,
+            from_agent,
+            mut to_agent,
+            ..
+        } = server_side(flow_control);
+
+        // The agent: what the server sends reaches its session (dials sent
+        // to the echo listener), what it sends reaches the server's.
+        let agent_metrics = Arc::new(AgentMetrics::default());
+        let (server_to_agent, agent_inbound) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(mut packet) = to_agent.recv().await {
+                redirect_dial(&mut packet, &echo);
+                if server_to_agent.send(Ok(packet)).is_err() {
+                    return;
+                }
+            }
+        });
+        let (agent_outbound, mut from_agent_session) = mpsc::channel::<Packet>(64);
+        tokio::spawn(async move {
+            while let Some(packet) = from_agent_session.recv().await {
+                if from_agent.send(Ok(packet)).is_err() {
+                    return;
+                }
+            }
+        });
+        let (_drain_tx, drain) = watch::channel(false);
+        tokio::spawn(session::run(
+            UnboundedReceiverStream::new(agent_inbound),
+            agent_outbound,
+            flow_control,
+            agent_settings(),
+            agent_metrics.clone(),
+            drain,
+        ));
+
+        let dialer = Dialer {
+            registry,
+            metrics: metrics.clone(),
+            timeout: Some(Duration::from_secs(2)),
+            class: FrontendClass::Apiserver,
+            node_allowed: Arc::new(Vec::new()),
+            tunnel_limit: None,
+        };
+        let (client, sent) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
+        let mut received = serve_client(dialer, UnboundedReceiverStream::new(sent));
+        let (answers_tx, answers) = watch::channel(Answers::default());
+        let reader = if client_reads {
+            tokio::spawn(async move {
+                while let Some(Ok(packet)) = received.next().await {
+                    answers_tx.send_modify(|answers| answers.frames.extend(Frame::try_from(packet).ok()));
+                }
+                answers_tx.send_modify(|answers| answers.ended = true);
+            })
+        } else {
+            // Holds the answer unread for a while, then goes away.
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                drop((received, answers_tx));
+            })
+        };
+
+        // The client behaves as kube-apiserver's does where the input lets
+        // it: it waits for the answer to its dial, and before it ends its
+        // stream, for its bytes to come back (the target echoes) or for the
+        // answer to its CLOSE_REQ. Those answers must come.
+        let mut connection = None;
+        let mut dialing = false;
+        let mut sent_bytes = 0;
+        let mut close_sent = false;
+        for packet in packets {
+            let frame = Frame::try_from(packet.clone()).ok();
+            let _ = client.send(Ok(packet));
+            if !client_reads {
+                continue;
+            }
+            match frame {
+                Some(Frame::DialRequest { dial_id, .. }) if connection.is_none() && !dialing => {
+                    dialing = true;
+                    let answer = await_answer(
+                        &answers,
+                        "no DIAL_RSP for the dial",
+                        |frame| matches!(frame, Frame::DialResponse { dial_id: id, .. } if *id == dial_id),
+                    )
+                    .await;
+                    if let Some(Frame::DialResponse { result: Ok(id), .. }) = answer {
+                        connection = Some(id);
+                    }
+                }
+                Some(Frame::Data { connect_id, data }) if Some(connect_id) == connection && !close_sent => {
+                    sent_bytes += data.len();
+                }
+                Some(Frame::CloseRequest { connect_id }) if Some(connect_id) == connection => {
+                    close_sent = true
+                }
+                _ => {}
+            }
+        }
+        if let Some(connect_id) = connection {
+            if close_sent {
+                await_answer(&answers, "no CLOSE_RSP for the CLOSE_REQ", |frame| {
+                    matches!(frame, Frame::CloseResponse { .. })
+                })
+                .await;
+            } else if sent_bytes > 0 {
+                let echoed = |answers: &Answers| {
+                    answers
+                        .frames
+                        .iter()
+                        .map(|frame| match frame {
+                            Frame::Data { connect_id: id, data } if *id == connect_id => data.len(),
+                            _ => 0,
+                        })
+                        .sum::<usize>()
+                };
+                let mut waiting = answers.clone();
+                let wait = waiting.wait_for(|answers| {
+                    answers.ended
+                        || echoed(answers) >= sent_bytes
+                        || answers
+                            .frames
+                            .iter()
+                            .any(|f| matches!(f, Frame::CloseResponse { .. }))
+                });
+                tokio::time::timeout(DEADLINE, wait)
+                    .await
+                    .expect("bytes sent on an open connection never came back")
+                    .ok();
+            }
+        }
+        drop(client);
+        tokio::time::timeout(DEADLINE, reader)
+            .await
+            .expect("the frontend's answer never ended after the client's stream did")
+            .expect("the client's reader panicked");
+        let read = answers.borrow().frames.clone();
+        let proxy_streams = metrics.grpc_connections("Proxy");
+        settles("the frontend outlived its client", || proxy_streams.get() == 0).await;
+        settles("a tunnel outlived its client", || {
+            metrics.established_connections.get() == 0 && metrics.pending_backend_dials.get() == 0
+        })
+        .await;
+        settles("an endpoint connection outlived its tunnel", || {
+            agent_metrics.open_endpoint_connections.get() == 0
+        })
+        .await;
+        read
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use konnectivity_proto::{ConnectId, Frame};
+
+    /// The harness is not vacuous: a well-formed exchange goes all the way
+    /// through the frontend, the server's and the agent's sessions to the
+    /// echo listener and back.
+    #[test]
+    fn a_valid_client_exchange_is_echoed_through_both_sessions() {
+        let connect_id = ConnectId::new(1).unwrap();
+        let sent = [
+            Frame::DialRequest {
+                protocol: "tcp".into(),
+                address: "10.0.0.5:10250".into(),
+                dial_id: DialId::new(7),
+            },
+            Frame::Data {
+                connect_id,
+                data: bytes::Bytes::from_static(b"hello"),
+            },
+        ];
+        let mut input = vec![3u8];
+        for frame in sent {
+            Packet::from(frame).encode_length_delimited(&mut input).unwrap();
+        }
+        let read = frontend_exchange(&input);
+        assert!(
+            matches!(&read[0], Frame::DialResponse { dial_id, result: Ok(id) } if dial_id.get() == 7 && *id == connect_id),
+            "{read:?}"
+        );
+        let echoed: Vec<u8> = read
+            .iter()
+            .filter_map(|frame| match frame {
+                Frame::Data { data, .. } => Some(data.to_vec()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert_eq!(echoed, b"hello", "{read:?}");
+
+        // And a CLOSE_REQ is answered.
+        let mut input = vec![3u8];
+        for frame in [
+            Frame::DialRequest {
+                protocol: "tcp".into(),
+                address: "10.0.0.5:10250".into(),
+                dial_id: DialId::new(8),
+            },
+            Frame::CloseRequest { connect_id },
+        ] {
+            Packet::from(frame).encode_length_delimited(&mut input).unwrap();
+        }
+        let read = frontend_exchange(&input);
+        assert!(
+            matches!(read.last(), Some(Frame::CloseResponse { connect_id: id, error: None }) if *id == connect_id),
+            "{read:?}"
+        );
+    }
 }

@@ -25,6 +25,16 @@ async fn assert_gauges_return_to_zero(setup: &Setup) {
     setup.assert_gauges_return_to_zero().await;
 }
 
+/// A CONNECT tunnel to `target` through the mTLS TCP frontend, with the
+/// kube-apiserver client certificate; panics if the server refuses it.
+async fn tls_tunnel(setup: &Setup, target: &str) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
+    via_tls(setup.server.tcp_port(), tls, target)
+        .await
+        .unwrap()
+        .expect("CONNECT accepted")
+}
+
 fn curl(args: &[String]) -> std::process::Output {
     std::process::Command::new("curl")
         .args(["--silent", "--show-error", "--max-time", "20"])
@@ -102,11 +112,7 @@ async fn curl_fetches_a_page_through_the_unix_socket_frontend() {
 async fn one_gib_pushed_and_one_gib_pulled_through_one_tunnel_arrive_intact() {
     let setup = setup(false, &[]).await;
     let target = targets::blob().await;
-    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
-    let mut tunnel = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string())
-        .await
-        .unwrap()
-        .expect("CONNECT accepted");
+    let mut tunnel = tls_tunnel(&setup, &target.addr.to_string()).await;
 
     let (sent, received) = targets::push(&mut tunnel, GIB, 7).await.unwrap();
     assert_eq!(sent, received, "pushed bytes changed on the way");
@@ -279,19 +285,12 @@ async fn agent_streams_without_agentid_are_refused() {
 async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agent_serves() {
     let mut setup = setup(false, &[]).await;
     let target = targets::blob().await;
-    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
-    let mut warm_up = via_tls(setup.server.tcp_port(), tls.clone(), &target.addr.to_string())
-        .await
-        .unwrap()
-        .expect("CONNECT accepted");
+    let mut warm_up = tls_tunnel(&setup, &target.addr.to_string()).await;
     targets::push(&mut warm_up, 8 << 20, 1).await.unwrap();
     drop(warm_up);
     assert_gauges_return_to_zero(&setup).await;
     let baseline = setup.baseline().await;
-    let mut tunnel = via_tls(setup.server.tcp_port(), tls.clone(), &target.addr.to_string())
-        .await
-        .unwrap()
-        .expect("CONNECT accepted");
+    let mut tunnel = tls_tunnel(&setup, &target.addr.to_string()).await;
 
     // Ask for far more than will ever arrive, read some, then kill the agent.
     targets::request_pull(&mut tunnel, 64 * GIB, 3).await.unwrap();
@@ -329,10 +328,7 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
         &[],
     );
     setup.server.wait_backends(1).await;
-    let mut tunnel = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string())
-        .await
-        .unwrap()
-        .expect("CONNECT accepted after the agent came back");
+    let mut tunnel = tls_tunnel(&setup, &target.addr.to_string()).await;
     let (sent, received) = targets::push(&mut tunnel, 1024 * 1024, 5).await.unwrap();
     assert_eq!(sent, received);
     drop(tunnel);
@@ -352,11 +348,7 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
 async fn a_target_that_resets_resets_the_clients_connection() {
     let setup = setup(false, &[]).await;
     let target = targets::blob().await;
-    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[]);
-    let mut tunnel = via_tls(setup.server.tcp_port(), tls, &target.addr.to_string())
-        .await
-        .unwrap()
-        .expect("CONNECT accepted");
+    let mut tunnel = tls_tunnel(&setup, &target.addr.to_string()).await;
     targets::request_reset(&mut tunnel, 1024 * 1024, 6).await.unwrap();
     let end = tokio::time::timeout(
         Duration::from_secs(10),

@@ -41,31 +41,44 @@ impl ProxyService for ProxyServer {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ProxyStream>, Status> {
-        let (to_client, packets) = mpsc::channel(TO_CLIENT_QUEUE);
-        let dialer = self.dialer.clone();
-        let open = GaugeGuard::new(&dialer.metrics.grpc_connections("Proxy"));
-        tokio::spawn(async move {
-            let _open = open;
-            let mut stream = ClientStream {
-                inbound: ClientInbound {
-                    packets: request.into_inner(),
-                    metrics: dialer.metrics.clone(),
-                    failure: None,
-                },
-                outbound: ClientOutbound {
-                    to_client,
-                    metrics: dialer.metrics.clone(),
-                },
-            };
-            stream.serve(&dialer).await;
-            // A stream that failed on the client's side (a message over the
-            // size limit, say) ends with that status rather than silently.
-            if let Some(status) = stream.inbound.failure.take() {
-                let _ = stream.outbound.to_client.send(Err(status)).await;
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(packets))))
+        let packets = serve_client(self.dialer.clone(), request.into_inner());
+        Ok(Response::new(Box::pin(packets)))
     }
+}
+
+/// What a client sends on its Proxy stream.
+type ClientPackets = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send + Sync>>;
+
+/// Serves one client's Proxy stream: `packets` is what the client sends, the
+/// stream returned what it receives. (Public for the fuzz target, which
+/// drives it without a gRPC transport.)
+pub fn serve_client(
+    dialer: Dialer,
+    packets: impl Stream<Item = Result<Packet, Status>> + Send + Sync + 'static,
+) -> ReceiverStream<Result<Packet, Status>> {
+    let (to_client, received) = mpsc::channel(TO_CLIENT_QUEUE);
+    let open = GaugeGuard::new(&dialer.metrics.grpc_connections("Proxy"));
+    tokio::spawn(async move {
+        let _open = open;
+        let mut stream = ClientStream {
+            inbound: ClientInbound {
+                packets: Box::pin(packets),
+                metrics: dialer.metrics.clone(),
+                failure: None,
+            },
+            outbound: ClientOutbound {
+                to_client,
+                metrics: dialer.metrics.clone(),
+            },
+        };
+        stream.serve(&dialer).await;
+        // A stream that failed on the client's side (a message over the
+        // size limit, say) ends with that status rather than silently.
+        if let Some(status) = stream.inbound.failure.take() {
+            let _ = stream.outbound.to_client.send(Err(status)).await;
+        }
+    });
+    ReceiverStream::new(received)
 }
 
 /// One client's Proxy stream, as two halves so that both directions of an
@@ -77,7 +90,7 @@ struct ClientStream {
 
 /// What the client sends.
 struct ClientInbound {
-    packets: Streaming<Packet>,
+    packets: ClientPackets,
     metrics: Arc<ServerMetrics>,
     /// How the client's stream failed, if it did, to tell the client.
     failure: Option<Status>,
