@@ -4,11 +4,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use clap::Parser;
 use konnectivity_agent::config::{AgentCommand, Args, Config};
 
-/// mimalloc keeps freed memory for reuse: with the system allocator every
-/// encoded 64 KiB packet cost fresh pages (page faults and unmaps were 5% of
-/// the CPU time of a bulk transfer).
+/// See `konnectivity_plumbing::runtime::Allocator`.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: konnectivity_plumbing::runtime::Allocator = konnectivity_plumbing::runtime::Allocator;
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use support::cluster::Setup;
 use support::connect::via_uds;
-use support::procs::Agent;
 use support::scrape::{http_get, metric};
 use support::targets::{self, pattern_digest};
 use support::wait_until;
@@ -24,13 +23,7 @@ async fn gauge(port: u16, series: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_agent_gets_no_new_dials_while_its_open_transfer_completes() {
     let setup = Setup::start("http-connect", true, &[]).await;
-    let other = Agent::start(
-        setup.dir.path(),
-        &setup.pki,
-        setup.server.agent_port,
-        "agent-2",
-        &[],
-    );
+    let other = setup.start_agent("agent-2", &[]);
     setup.server.wait_backends(2).await;
     let target = targets::blob().await;
     let uds = setup.server.uds_path();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use support::certs::Pki;
 use support::cluster::{Setup, unanswering_listener};
 use support::connect::{via_tls, via_uds};
-use support::procs::{Agent, Server};
+use support::procs::Server;
 use support::scrape::metric;
 use support::targets::{self, pattern_digest};
 use support::{TempDir, wait_until};
@@ -320,13 +320,7 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
     setup.server.wait_backends(0).await;
 
     // A new agent process reconnects by itself and serves new tunnels.
-    setup.agent = Agent::start(
-        setup.dir.path(),
-        &setup.pki,
-        setup.server.agent_port,
-        "agent-1",
-        &[],
-    );
+    setup.agent = setup.start_agent("agent-1", &[]);
     setup.server.wait_backends(1).await;
     let mut tunnel = tls_tunnel(&setup, &target.addr.to_string()).await;
     let (sent, received) = targets::push(&mut tunnel, 1024 * 1024, 5).await.unwrap();
@@ -349,14 +343,7 @@ async fn a_target_that_resets_resets_the_clients_connection() {
     let setup = setup(false, &[]).await;
     let target = targets::blob().await;
     let mut tunnel = tls_tunnel(&setup, &target.addr.to_string()).await;
-    targets::request_reset(&mut tunnel, 1024 * 1024, 6).await.unwrap();
-    let end = tokio::time::timeout(
-        Duration::from_secs(10),
-        targets::read_until_reset(&mut tunnel, 1024 * 1024, 6),
-    )
-    .await
-    .expect("the reset must end the read promptly");
-    let error = end.expect_err("a reset target must reset the client, not close cleanly");
+    let error = targets::expect_reset(&mut tunnel, 1024 * 1024, 6).await;
     assert_eq!(error.kind(), std::io::ErrorKind::ConnectionReset, "{error}");
     drop(tunnel);
     assert_gauges_return_to_zero(&setup).await;

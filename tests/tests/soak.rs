@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use support::cluster::Setup;
 use support::connect::via_uds;
-use support::procs::Agent;
 use support::targets::{self, pattern_digest};
 use tokio::io::AsyncReadExt;
 
@@ -129,13 +128,7 @@ async fn soak_with_agent_restarts_corrupts_nothing_and_leaks_nothing() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(60);
     let setup = Setup::start("http-connect", true, &[]).await;
-    let mut second = Agent::start(
-        setup.dir.path(),
-        &setup.pki,
-        setup.server.agent_port,
-        "agent-2",
-        &[],
-    );
+    let mut second = setup.start_agent("agent-2", &[]);
     setup.server.wait_backends(2).await;
     let target = targets::blob().await;
     let target = target.addr.to_string();
@@ -177,13 +170,7 @@ async fn soak_with_agent_restarts_corrupts_nothing_and_leaks_nothing() {
     while Instant::now() + Duration::from_secs(7) < until {
         tokio::time::sleep(Duration::from_secs(7)).await;
         second.proc.kill();
-        second = Agent::start(
-            setup.dir.path(),
-            &setup.pki,
-            setup.server.agent_port,
-            "agent-2",
-            &[],
-        );
+        second = setup.start_agent("agent-2", &[]);
         totals.lock().unwrap().agent_restarts += 1;
     }
     for client in clients {
@@ -236,19 +223,8 @@ async fn soak_with_agent_restarts_corrupts_nothing_and_leaks_nothing() {
     // abandoned dials and cancelled pulls each show none at all over eight
     // rounds; a leak shows as growth with time (SOAK_SECONDS).
     let mut now = setup.resources().await;
-    let back = |now: &support::cluster::Resources| {
-        (now.server_fds, now.agent_fds, now.server_tasks, now.agent_tasks)
-            == (
-                baseline.server_fds,
-                baseline.agent_fds,
-                baseline.server_tasks,
-                baseline.agent_tasks,
-            )
-            && within_a_quarter(now.server_rss_kib, baseline.server_rss_kib)
-            && within_a_quarter(now.agent_rss_kib, baseline.agent_rss_kib)
-    };
     for _ in 0..150 {
-        if back(&now) {
+        if now.back_within(&baseline, 25) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -270,13 +246,8 @@ async fn soak_with_agent_restarts_corrupts_nothing_and_leaks_nothing() {
         (now.agent_rss_kib, baseline.agent_rss_kib, "agent"),
     ] {
         assert!(
-            within_a_quarter(after, before),
+            support::cluster::memory_within(after, before, 25),
             "{who} resident memory {after} KiB after the soak, more than 25% above the {before} KiB after the warm-up"
         );
     }
-}
-
-/// `now` is at most 25% above `before`.
-fn within_a_quarter(now: u64, before: u64) -> bool {
-    now * 4 <= before * 5
 }

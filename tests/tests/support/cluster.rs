@@ -70,6 +70,12 @@ impl Setup {
         .await;
     }
 
+    /// Another agent for this setup's server (with the same certificates),
+    /// e.g. a second one, or one replacing a killed agent.
+    pub fn start_agent(&self, id: &str, extra: &[String]) -> Agent {
+        Agent::start(self.dir.path(), &self.pki, self.server.agent_port, id, extra)
+    }
+
     /// Open file descriptors and live runtime tasks of server and agent.
     pub async fn resources(&self) -> Resources {
         Resources {
@@ -152,25 +158,36 @@ impl Resources {
     /// Descriptors and tasks exactly as in `baseline`, resident memory at
     /// most 10% above it (below is fine: see [`memory_back_to`]).
     pub fn back_to(&self, baseline: &Resources) -> bool {
-        self.server_back_to(baseline) && self.agent_back_to(baseline)
+        self.back_within(baseline, 10)
+    }
+
+    /// [`Resources::back_to`] with memory allowed `percent` above the baseline.
+    pub fn back_within(&self, baseline: &Resources, percent: u64) -> bool {
+        self.server_back_within(baseline, percent) && self.agent_back_within(baseline, percent)
     }
 
     /// [`Resources::back_to`] for the server's figures only.
     pub fn server_back_to(&self, baseline: &Resources) -> bool {
-        self.server_fds == baseline.server_fds
-            && self.server_tasks == baseline.server_tasks
-            && memory_back_to(self.server_rss_kib, baseline.server_rss_kib)
+        self.server_back_within(baseline, 10)
     }
 
     /// [`Resources::back_to`] for the agent's figures only.
     pub fn agent_back_to(&self, baseline: &Resources) -> bool {
+        self.agent_back_within(baseline, 10)
+    }
+
+    fn server_back_within(&self, baseline: &Resources, percent: u64) -> bool {
+        self.server_fds == baseline.server_fds
+            && self.server_tasks == baseline.server_tasks
+            && memory_within(self.server_rss_kib, baseline.server_rss_kib, percent)
+    }
+
+    fn agent_back_within(&self, baseline: &Resources, percent: u64) -> bool {
         self.agent_fds == baseline.agent_fds
             && self.agent_tasks == baseline.agent_tasks
-            && memory_back_to(self.agent_rss_kib, baseline.agent_rss_kib)
+            && memory_within(self.agent_rss_kib, baseline.agent_rss_kib, percent)
     }
-}
 
-impl Resources {
     /// A baseline from two warm-up rounds: the same descriptors and tasks
     /// (else something leaked already), and the higher memory of the two,
     /// since between identical rounds resident memory moves by up to ±20%
@@ -204,7 +221,12 @@ impl Resources {
 /// concurrency: the runtime keeps the I/O tables, and h2 the stream tables,
 /// its peak needed, which a first round grows once and later ones reuse.
 pub fn memory_back_to(now: u64, before: u64) -> bool {
-    now * 10 <= before * 11
+    memory_within(now, before, 10)
+}
+
+/// `now` is at most `percent` above `before`.
+pub fn memory_within(now: u64, before: u64, percent: u64) -> bool {
+    now * 100 <= before * (100 + percent)
 }
 
 /// Resident memory of a process, from /proc (0 if it is gone).

@@ -298,6 +298,23 @@ pub async fn read_until_reset<S: AsyncRead + AsyncWrite + Unpin>(
     Ok(())
 }
 
+/// A whole [`request_reset`] exchange: returns the error the read ends
+/// with; panics if it ends cleanly or hangs.
+pub async fn expect_reset<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    len: u64,
+    seed: u64,
+) -> std::io::Error {
+    request_reset(stream, len, seed).await.unwrap();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        read_until_reset(stream, len, seed),
+    )
+    .await
+    .expect("the reset must end the read promptly")
+    .expect_err("a reset target must fail the read, not end it cleanly")
+}
+
 /// Starts an echo exchange.
 pub async fn start_echo<S: AsyncWrite + Unpin>(stream: &mut S) -> std::io::Result<()> {
     stream.write_all(&header(b'E', 0, 0)).await
