@@ -32,6 +32,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use crate::agent_service::AgentServer;
 use crate::backend::registry::Registry;
 use crate::config::{Config, FrontendListen, Mode, TlsVersions};
+use crate::frontend::authority::TolerantAuthority;
 use crate::frontend::grpc::ProxyServer;
 use crate::frontend::{connect, listen};
 use crate::health::ServerEndpoints;
@@ -215,7 +216,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             },
         ) => {
             let listener = listen::bind_uds(path, *delete_existing)?;
-            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            // grpc-go names the socket path as :authority; see the module.
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
+                .map(|stream| stream.map(TolerantAuthority::new));
             tokio::spawn(grpc_frontend(dialer, frontend_keepalive).serve_with_incoming(incoming))
         }
         (
