@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Programs the tests use, by the Debian package that ships them.
-packages=(curl socat openssl iproute2 nftables nginx-light containernetworking-plugins)
+packages=(curl socat openssl iproute2 nftables nginx-light containernetworking-plugins
+  golang-go golang-google-grpc-dev golang-google-protobuf-dev)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
@@ -18,22 +19,13 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# A second, independent gRPC implementation for the protocol tests.
-if ! python3 -c 'import grpc, grpc_tools' 2>/dev/null; then
-  echo "== installing grpcio and grpcio-tools (PyPI)"
-  if ! python3 -m pip --version >/dev/null 2>&1; then
-    apt-get update -qq && apt-get install -y -qq --no-install-recommends python3-pip >/dev/null
-  fi
-  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    'grpcio>=1.60,<2' 'grpcio-tools>=1.60,<2'
-fi
+# Clients that are not ours: Python grpcio (gRPC core) and grpc-go, which
+# kube-apiserver's egress is built on. PyPI packages go into a virtual
+# environment the project owns (hack/.venv), never into the system Python.
+source hack/lib/python.sh
+python_venv 'grpc:grpcio>=1.60,<2' 'grpc_tools:grpcio-tools>=1.60,<2' \
+  'kubernetes_validate:kubernetes-validate>=1.31,<2'
 
-# Offline schema validation of the rendered manifests (tests/tests/manifests.rs).
-if ! python3 -c 'import kubernetes_validate' 2>/dev/null; then
-  echo "== installing kubernetes-validate (PyPI)"
-  python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore \
-    'kubernetes-validate>=1.31,<2'
-fi
 # kubectl renders the kustomizations (its built-in kustomize). Debian does not
 # package it; the manifest tests fail under CI without it.
 if ! command -v kubectl >/dev/null 2>&1; then

@@ -3,8 +3,15 @@ ProxyService the way kube-apiserver does: a new gRPC connection and one Proxy st
 per dial. Stubs are generated at run time by grpcio-tools from the project's own
 .proto files. Exits non-zero, naming the step, on any deviation from the protocol.
 
-usage: kas_like_client.py PROTO_DIR UDS_PATH ECHO_TARGET CLOSED_TARGET
+usage: kas_like_client.py --proto-dir DIR (--uds PATH | --tls HOST:PORT --ca F --cert F --key F)
+                          --echo HOST:PORT [--closed HOST:PORT] [--authority VALUE]
+
+--authority is sent as the :authority of every request (grpc.default_authority);
+without it gRPC core chooses: for a unix: target the percent-encoded socket path
+(as grpc-go's), for TLS the HOST:PORT dialed.
 """
+
+import argparse
 
 import os
 import queue
@@ -37,12 +44,18 @@ def expect(condition, what):
 class Stream:
     """One Proxy stream on its own channel, fed from a queue."""
 
-    def __init__(self, pb, pb_grpc, uds):
+    def __init__(self, pb, pb_grpc, args):
         self.pb = pb
         self.requests = queue.Queue()
-        # gRPC core would send the socket path as :authority, which HTTP/2
-        # servers may refuse as malformed; name the host as Go clients do.
-        self.channel = grpc.insecure_channel(f"unix://{uds}", options=[("grpc.default_authority", "localhost")])
+        options = [] if args.authority is None else [("grpc.default_authority", args.authority)]
+        if args.uds:
+            self.channel = grpc.insecure_channel(f"unix://{args.uds}", options=options)
+        else:
+            def read(path):
+                with open(path, "rb") as f:
+                    return f.read()
+            credentials = grpc.ssl_channel_credentials(read(args.ca), read(args.key), read(args.cert))
+            self.channel = grpc.secure_channel(args.tls, credentials, options=options)
         stub = pb_grpc.ProxyServiceStub(self.channel)
         self.responses = stub.Proxy(iter(self.requests.get, None), timeout=20)
 
@@ -67,12 +80,23 @@ def dial(pb, stream, address):
 
 
 def main():
-    proto_dir, uds, echo_target, closed_target = sys.argv[1:5]
-    pb, pb_grpc = load_stubs(proto_dir)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--proto-dir", required=True)
+    parser.add_argument("--uds")
+    parser.add_argument("--tls")
+    parser.add_argument("--ca")
+    parser.add_argument("--cert")
+    parser.add_argument("--key")
+    parser.add_argument("--echo", required=True)
+    parser.add_argument("--closed")
+    parser.add_argument("--authority")
+    args = parser.parse_args()
+    echo_target = args.echo
+    pb, pb_grpc = load_stubs(args.proto_dir)
 
     # 1. A successful dial, data both ways, and a client close.
     for round_ in range(3):
-        stream = Stream(pb, pb_grpc, uds)
+        stream = Stream(pb, pb_grpc, args)
         rsp = dial(pb, stream, echo_target)
         expect(rsp.error == "", f"dial succeeded (error {rsp.error!r})")
         expect(rsp.connectID > 0, "a positive connectID")
@@ -94,7 +118,7 @@ def main():
         print(f"round {round_}: DIAL_RSP connectID={cid}, {len(payload)} bytes echoed, CLOSE_RSP")
 
     # 2. DATA naming another connection's id closes this one, with an error.
-    stream = Stream(pb, pb_grpc, uds)
+    stream = Stream(pb, pb_grpc, args)
     rsp = dial(pb, stream, echo_target)
     cid = rsp.connectID
     stream.send(pb.Packet(type=pb.DATA, data=pb.Data(connectID=cid + 1000, data=b"E" + bytes(16))))
@@ -105,12 +129,13 @@ def main():
     print(f"foreign connectID: CLOSE_RSP error {pkt.closeResponse.error!r}")
 
     # 3. A dial to a closed port: DIAL_RSP carries the agent's error text.
-    stream = Stream(pb, pb_grpc, uds)
-    rsp = dial(pb, stream, closed_target)
-    expect("connection refused" in rsp.error, f"refused dial names the error, got {rsp.error!r}")
-    expect(rsp.connectID == 0, "no connectID on failure")
-    stream.close()
-    print(f"refused dial: {rsp.error}")
+    if args.closed:
+        stream = Stream(pb, pb_grpc, args)
+        rsp = dial(pb, stream, args.closed)
+        expect("connection refused" in rsp.error, f"refused dial names the error, got {rsp.error!r}")
+        expect(rsp.connectID == 0, "no connectID on failure")
+        stream.close()
+        print(f"refused dial: {rsp.error}")
     print("python grpcio client: all protocol checks passed")
 
 

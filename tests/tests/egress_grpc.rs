@@ -1,5 +1,5 @@
 //! Egress through the gRPC ProxyService frontend with the Rust tunnel client
-//! (konnectivity-client) and with an independent Python grpcio client.
+//! (konnectivity-client); other people's clients are in grpc_clients.rs.
 
 mod support;
 
@@ -136,34 +136,6 @@ async fn a_thousand_concurrent_dials_over_one_connection_then_nothing_is_left_be
             (_, None) => unreachable!("the baseline is set in round 0"),
         }
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_grpcio_client_sees_the_protocol_as_kube_apiserver_would() {
-    let setup = Setup::start("grpc", true, &[]).await;
-    let target = targets::blob().await;
-    let closed = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let proto_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../proto/proto");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/kas_like_client.py");
-    let output = tokio::process::Command::new("python3")
-        .args([script, proto_dir])
-        .arg(setup.server.uds_path())
-        .arg(target.addr.to_string())
-        .arg(closed.to_string())
-        .output()
-        .await
-        .expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "python client failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("all protocol checks passed"), "{stdout}");
-    setup.assert_gauges_return_to_zero().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,9 @@
 pub mod certs;
 pub mod cluster;
 pub mod connect;
+pub mod foreign;
 pub mod grpc;
+pub mod h2_raw;
 pub mod kas;
 pub mod netns;
 pub mod procs;
