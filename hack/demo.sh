@@ -2,6 +2,8 @@
 # A local demo of the egress tunnel on loopback, in both of kube-apiserver's modes:
 #   curl --proxy https://127.0.0.1:$FRONTEND_PORT (HTTP CONNECT, mTLS) → proxy-server → proxy-agent (mTLS) → web page
 #   proxy-test-client (gRPC over a Unix socket)   → proxy-server → proxy-agent (mTLS) → web page
+#   Python grpcio (gRPC over the Unix socket, with the :authority grpc-go and
+#   so kube-apiserver send there: the percent-encoded socket path) → the same
 # Builds the binaries, makes throwaway certificates, starts a web server,
 # proxy-server and proxy-agent, fetches the page through the tunnel and
 # stops everything again. Run as root on Debian: bash hack/demo.sh
@@ -23,6 +25,11 @@ if ((${#need[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+
+# grpcio for the gRPC client that is not ours, in a virtual environment of
+# the project's (hack/.venv), never in the system Python.
+source hack/lib/python.sh
+python_venv 'grpc:grpcio>=1.60,<2'
 
 echo "== building"
 cargo build --bins --locked --quiet
@@ -89,6 +96,9 @@ curl -sS --fail --proxytunnel --proxy "https://127.0.0.1:$FRONTEND_PORT" \
 echo "== proxy-test-client through the tunnel (gRPC ProxyService over the Unix socket)"
 "$bin/proxy-test-client" --mode=grpc --proxy-uds="$work/konnectivity-server.socket" \
   --request-host=127.0.0.1 --request-port="$WEB_PORT" --request-path=/index.html | tail -n 1
+
+echo "== Python grpcio through the tunnel (gRPC over the Unix socket, :authority = the percent-encoded socket path)"
+python3 hack/grpc-dial.py "$PWD/$work/konnectivity-server.socket" "127.0.0.1:$WEB_PORT" /index.html
 
 echo "== server metrics after the request"
 curl -sS "http://127.0.0.1:$SERVER_HEALTH_PORT/metrics" | grep -E '^konnectivity_network_proxy_server_(established_connections|ready_backends|stream_packets_total\{segment="from_agent",packet_type="DATA"\}) '
