@@ -14,7 +14,7 @@ if ! cargo +nightly --version >/dev/null 2>&1 || ! cargo fuzz --version >/dev/nu
   exit 0
 fi
 
-targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream)
+targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream uds_authority)
 echo "== building fuzz targets (nightly, libFuzzer)"
 (cd fuzz && cargo +nightly fuzz build -O >/dev/null)
 logs=$(mktemp -d)
