@@ -10,6 +10,7 @@ pub mod config;
 pub mod endpoint;
 pub mod health;
 pub mod metrics;
+pub mod programs;
 pub mod server_conn;
 pub mod servers;
 pub mod session;

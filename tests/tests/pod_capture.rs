@@ -1,48 +1,83 @@
 //! Pods reach the API server through the VIP, on Debian's real CNI plugins:
-//! a conflist of `bridge` (with `host-local` IPAM) chained with
-//! `konnectivity-cni`, run the way a container runtime runs it, attaches a
-//! "pod" network namespace to a bridge in the node namespace (root).
+//! a conflist of `bridge` (with `host-local` IPAM), into which
+//! `proxy-agent install-cni` chains `konnectivity-cni`, run the way a
+//! container runtime runs it, attaches a "pod" network namespace to a bridge
+//! in the node namespace (root). Each scenario runs with this build's
+//! binaries and again with the image's (install-cni, the plugin it copies,
+//! proxy-server and both agents).
 
 mod support;
 
 use std::io::Write;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use support::image::Binaries;
 use support::kas::*;
 use support::netns::{Netns, root_or_skip};
-use support::procs::bin;
 
 /// A container runtime's view of one network: the conflist's plugins run in
-/// order for ADD and in reverse for DEL, each given the previous result.
+/// order for ADD and in reverse for DEL, each given the previous result,
+/// found in the CNI bin directories in order.
 struct Runtime<'a> {
     topology: &'a Topology,
     plugins: Vec<Value>,
+    bin_dirs: Vec<PathBuf>,
 }
 
 impl<'a> Runtime<'a> {
-    fn new(topology: &'a Topology) -> Runtime<'a> {
+    /// A node's CNI set-up as the node agent's install-cni sidecar leaves
+    /// it: the primary network's conflist in the configuration directory,
+    /// then `proxy-agent install-cni` (from the topology's binaries) copies
+    /// the plugin into the bin directory and chains it into that conflist.
+    fn install(topology: &'a Topology) -> Runtime<'a> {
         let dir = topology.dir.path();
+        let (conf_dir, bin_dir) = (dir.join("cni-conf"), dir.join("cni-bin"));
+        std::fs::create_dir_all(&conf_dir).unwrap();
+        let conflist = conf_dir.join("10-podnet.conflist");
+        let primary = json!({
+            "cniVersion": "1.0.0",
+            "name": "podnet",
+            "plugins": [{
+                "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": "10.244.1.0/24"}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": dir.join("ipam").display().to_string(),
+                },
+            }],
+        });
+        std::fs::write(&conflist, primary.to_string()).unwrap();
+        let line = topology.binaries.command_line(
+            "proxy-agent",
+            &[
+                "install-cni".to_owned(),
+                format!("--cni-bin-dir={}", bin_dir.display()),
+                format!("--cni-conf-dir={}", conf_dir.display()),
+                format!("--agent-socket={}", dir.join("cni.sock").display()),
+            ],
+        );
+        let installed = Command::new(&line[0]).args(&line[1..]).output().unwrap();
+        assert!(installed.status.success(), "install-cni: {}", text(&installed));
+        let conflist: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
+        let plugins = conflist["plugins"].as_array().unwrap().clone();
+        let types: Vec<&str> = plugins.iter().map(|p| p["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            types,
+            ["bridge", "konnectivity-cni"],
+            "install-cni chains the plugin last"
+        );
+        assert!(
+            bin_dir.join("konnectivity-cni").is_file(),
+            "install-cni copies the plugin into the bin directory"
+        );
         Runtime {
             topology,
-            plugins: vec![
-                json!({
-                    "type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": "10.244.1.0/24"}]],
-                        "routes": [{"dst": "0.0.0.0/0"}],
-                        "dataDir": dir.join("ipam").display().to_string(),
-                    },
-                }),
-                json!({
-                    "type": "konnectivity-cni",
-                    "agentSocket": dir.join("cni.sock").display().to_string(),
-                    "agentTimeoutMillis": 5000,
-                }),
-            ],
+            plugins,
+            bin_dirs: vec![bin_dir, PathBuf::from("/usr/lib/cni")],
         }
     }
 
@@ -56,11 +91,12 @@ impl<'a> Runtime<'a> {
         prev: Option<&Value>,
     ) -> Output {
         let kind = plugin["type"].as_str().unwrap();
-        let path = if kind == "konnectivity-cni" {
-            bin("konnectivity-cni")
-        } else {
-            Path::new("/usr/lib/cni").join(kind)
-        };
+        let path = self
+            .bin_dirs
+            .iter()
+            .map(|dir| dir.join(kind))
+            .find(|path| path.is_file())
+            .unwrap_or_else(|| panic!("no {kind} plugin in {:?}", self.bin_dirs));
         let mut conf = plugin.clone();
         conf["cniVersion"] = json!("1.0.0");
         conf["name"] = json!("podnet");
@@ -78,7 +114,7 @@ impl<'a> Runtime<'a> {
                 "CNI_ARGS",
                 format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={container}"),
             )
-            .env("CNI_PATH", "/usr/lib/cni")
+            .env("CNI_PATH", std::env::join_paths(&self.bin_dirs).unwrap())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -139,12 +175,31 @@ async fn pods_reach_the_api_server_through_the_vip_with_the_chained_plugin() {
     if !root_or_skip("pods_reach_the_api_server_through_the_vip_with_the_chained_plugin") {
         return;
     }
-    let topology = build(false).await;
+    pods_reach_the_api_server(Binaries::Build).await;
+}
+
+/// The same with the image's install-cni, plugin, proxy-server and agents,
+/// each on the image's own filesystem (the plugin runs on the node, as the
+/// runtime runs it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_the_image_pods_reach_the_api_server_through_the_vip_with_the_chained_plugin() {
+    if !root_or_skip("from_the_image_pods_reach_the_api_server_through_the_vip_with_the_chained_plugin") {
+        return;
+    }
+    if let Some(image) = Binaries::image() {
+        pods_reach_the_api_server(image).await;
+    }
+}
+
+async fn pods_reach_the_api_server(binaries: Binaries) {
+    let topology = build_from(false, binaries).await;
     let mut agent = topology.start_node_agent(&pod_agent_args(&topology));
     topology.wait_node_ready().await;
-    let runtime = Runtime::new(&topology);
+    let runtime = Runtime::install(&topology);
 
-    let pod = Netns::new("pod");
+    // Loopback down, as the kernel makes it: the agent brings it up itself
+    // (its listener binds 127.0.0.1 there), with netlink, not `ip`.
+    let pod = Netns::bare("pod");
     let result = runtime
         .add("pod-1", &pod)
         .unwrap_or_else(|o| panic!("ADD failed: {}", text(&o)));
@@ -181,7 +236,7 @@ async fn pods_reach_the_api_server_through_the_vip_with_the_chained_plugin() {
 
     // With the agent stopped, ADD fails with "try again later": no pod runs uncaptured.
     agent.kill();
-    let pod2 = Netns::new("pod");
+    let pod2 = Netns::bare("pod");
     let refused = runtime.add("pod-2", &pod2).expect_err("ADD without the agent");
     let error: Value = serde_json::from_slice(&refused.stdout).unwrap();
     assert_eq!(error["code"], 11, "{}", text(&refused));
@@ -195,8 +250,8 @@ async fn a_restarted_agent_reopens_the_pod_listeners_it_recorded() {
     let topology = build(false).await;
     let mut agent = topology.start_node_agent(&pod_agent_args(&topology));
     topology.wait_node_ready().await;
-    let runtime = Runtime::new(&topology);
-    let pod = Netns::new("pod");
+    let runtime = Runtime::install(&topology);
+    let pod = Netns::bare("pod");
     runtime
         .add("pod-1", &pod)
         .unwrap_or_else(|o| panic!("ADD failed: {}", text(&o)));

@@ -4,9 +4,10 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use super::map::CaptureMap;
+use crate::programs::NFT;
 
 pub const TABLE_FAMILY: &str = "inet";
 pub const TABLE_NAME: &str = "konnectivity";
@@ -67,7 +68,8 @@ pub fn remove() -> Result<(), NftError> {
 
 /// Whether our table exists, with the rules `expected` would install.
 pub fn is_installed(map: &CaptureMap, capture_port: u16) -> bool {
-    let Ok(output) = Command::new("nft")
+    let Ok(output) = NFT
+        .command()
         .args(["list", "table", TABLE_FAMILY, TABLE_NAME])
         .output()
     else {
@@ -82,7 +84,8 @@ pub fn is_installed(map: &CaptureMap, capture_port: u16) -> bool {
 }
 
 fn run_nft(args: &[&str], stdin: Option<&str>) -> Result<(), NftError> {
-    let mut child = Command::new("nft")
+    let mut child = NFT
+        .command()
         .args(args)
         .stdin(if stdin.is_some() {
             Stdio::piped()

@@ -12,7 +12,8 @@ use tokio::task::AbortHandle;
 
 use crate::capture::listener::{self, CaptureContext};
 use crate::capture::nft;
-use crate::sys::in_netns;
+use crate::programs::NFT;
+use crate::sys::{self, in_netns};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
@@ -151,12 +152,7 @@ impl Pods {
         let listeners = tokio::task::spawn_blocking(move || {
             in_netns(&netns, move || {
                 // The loopback device carries the redirected connections.
-                let up = std::process::Command::new("ip")
-                    .args(["link", "set", "lo", "up"])
-                    .status()?;
-                if !up.success() {
-                    return Err(std::io::Error::other("ip link set lo up failed"));
-                }
+                sys::set_loopback_up()?;
                 nft::apply(&ruleset).map_err(std::io::Error::other)?;
                 let mut listeners = vec![std::net::TcpListener::bind(("127.0.0.1", port))?];
                 if ipv6 {
@@ -213,7 +209,7 @@ impl Pods {
         };
         let listed = tokio::task::spawn_blocking(move || {
             in_netns(&netns, || {
-                std::process::Command::new("nft")
+                NFT.command()
                     .args(["list", "table", nft::TABLE_FAMILY, nft::TABLE_NAME])
                     .output()
             })

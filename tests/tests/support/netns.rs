@@ -6,7 +6,8 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::procs::{Proc, bin};
+use super::image::Binaries;
+use super::procs::Proc;
 
 /// Whether this process runs as root (uid 0).
 pub fn is_root() -> bool {
@@ -49,7 +50,16 @@ pub struct Netns {
 }
 
 impl Netns {
+    /// A namespace whose loopback device is up, as a host's is.
     pub fn new(role: &str) -> Netns {
+        let netns = Netns::bare(role);
+        netns.ip(&["link", "set", "lo", "up"]);
+        netns
+    }
+
+    /// A namespace as the kernel makes it, loopback down: a pod's, before
+    /// anything but its runtime and CNI plugins touched it.
+    pub fn bare(role: &str) -> Netns {
         static COUNTER: AtomicU32 = AtomicU32::new(0);
         let name = format!(
             "konn-{}-{}-{role}",
@@ -57,9 +67,7 @@ impl Netns {
             COUNTER.fetch_add(1, Ordering::Relaxed)
         );
         run(Command::new("ip").args(["netns", "add", &name]));
-        let netns = Netns { name };
-        netns.ip(&["link", "set", "lo", "up"]);
-        netns
+        Netns { name }
     }
 
     /// `ip ARGS` inside the namespace.
@@ -81,9 +89,14 @@ impl Netns {
 
     /// Starts one of the workspace's binaries inside the namespace.
     pub fn spawn(&self, binary: &str, args: &[String], log_dir: &Path) -> Proc {
+        self.spawn_from(&Binaries::Build, binary, args, log_dir)
+    }
+
+    /// Starts one of the workspace's binaries, from this build or the
+    /// image, inside the namespace.
+    pub fn spawn_from(&self, binaries: &Binaries, binary: &str, args: &[String], log_dir: &Path) -> Proc {
         let mut full = vec!["netns".to_owned(), "exec".to_owned(), self.name.clone()];
-        full.push(bin(binary).display().to_string());
-        full.extend(args.iter().cloned());
+        full.extend(binaries.command_line(binary, args));
         Proc::spawn_named(binary, "ip", &full, log_dir)
     }
 
