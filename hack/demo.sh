@@ -9,6 +9,8 @@
 # stops everything again. Run as root on Debian: bash hack/demo.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source hack/lib/build-tools.sh
+require_build_tools hack/demo.sh
 
 FRONTEND_PORT=${FRONTEND_PORT:-18090}
 AGENT_PORT=${AGENT_PORT:-18091}
@@ -31,8 +33,8 @@ fi
 source hack/lib/python.sh
 python_venv 'grpc:grpcio>=1.60,<2'
 
-echo "== building"
-cargo build --bins --locked --quiet
+echo "== building (the first build takes a few minutes)"
+cargo build --bins --locked
 bin=target/debug
 
 work=hack/.demo

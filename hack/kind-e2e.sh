@@ -86,7 +86,8 @@ metric() { # node, port, series
 }
 
 step "building $image"
-docker build -t "$image" .
+# The same build and smoke test as CI's (hack/image.sh), with this machine's daemon.
+bash hack/image.sh "$image"
 
 step "creating kind cluster $cluster"
 kind create cluster --name "$cluster" --config hack/kind/cluster.yaml --kubeconfig "$KUBECONFIG" --wait 120s

@@ -4,6 +4,8 @@
 # real binaries. Run as root on Debian: bash hack/test.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source hack/lib/build-tools.sh
+require_build_tools hack/test.sh
 
 # Programs the tests use, by the Debian package that ships them.
 packages=(curl socat openssl iproute2 nftables nginx-light containernetworking-plugins
@@ -38,6 +40,20 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== cargo build (binaries the integration tests run)"
 cargo build --workspace --bins --locked
+# The image, built from the Dockerfile as users build it; the tests run the
+# capture and egress scenarios once more with its files (tests/tests/image.rs).
+if ((EUID == 0)) || docker info >/dev/null 2>&1; then
+  echo "== image (hack/image.sh)"
+  image_started=$SECONDS
+  bash hack/image.sh
+  echo "== image stage: $((SECONDS - image_started)) s"
+elif [[ -n ${CI:-} ]]; then
+  echo "hack/test.sh: the image stage needs root or a Docker daemon, and CI is set" >&2
+  exit 1
+else
+  echo "== image: skipped (needs root or a Docker daemon); the image tests will skip too"
+fi
+
 echo "== cargo test"
 cargo test --workspace --locked --no-fail-fast
 

@@ -11,6 +11,7 @@ mod support;
 
 use std::time::Duration;
 
+use support::image::Binaries;
 use support::kas::*;
 use support::netns::root_or_skip;
 
@@ -19,7 +20,23 @@ async fn node_processes_reach_the_private_api_server_through_the_vip() {
     if !root_or_skip("node_processes_reach_the_private_api_server_through_the_vip") {
         return;
     }
-    let topology = build(true).await;
+    node_processes_reach_the_api_server(Binaries::Build).await;
+}
+
+/// The same with proxy-server and both agents from the image, on its own
+/// filesystem: its nft, its libc.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_the_image_node_processes_reach_the_private_api_server_through_the_vip() {
+    if !root_or_skip("from_the_image_node_processes_reach_the_private_api_server_through_the_vip") {
+        return;
+    }
+    if let Some(image) = Binaries::image() {
+        node_processes_reach_the_api_server(image).await;
+    }
+}
+
+async fn node_processes_reach_the_api_server(binaries: Binaries) {
+    let topology = build_from(true, binaries).await;
     // Without the tunnel, the node has no way to the API server's address.
     let direct = topology.curl(&format!("https://{KAS}/version"));
     assert!(

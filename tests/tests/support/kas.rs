@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::certs::Pki;
+use super::image::Binaries;
 use super::netns::{Netns, link};
 use super::procs::Proc;
 use super::{Pattern, TempDir, wait_until};
@@ -33,6 +34,8 @@ pub const BLOB_LEN: usize = 200 * 1024 * 1024;
 pub struct Topology {
     pub dir: TempDir,
     pub pki: Pki,
+    /// Where proxy-server and both agents come from.
+    pub binaries: Binaries,
     pub node: Netns,
     /// Held so the namespace lives as long as the topology.
     _control_plane: Netns,
@@ -107,8 +110,14 @@ pub fn node_agent_args(pki: &Pki, extra_captures: &[String]) -> Vec<String> {
     args
 }
 
-/// Builds the topology; `blob` also writes the 200 MiB file for nginx.
+/// Builds the topology with this build's binaries; `blob` also writes the
+/// 200 MiB file for nginx.
 pub async fn build(blob: bool) -> Topology {
+    build_from(blob, Binaries::Build).await
+}
+
+/// [`build`], with proxy-server and the agents from `binaries`.
+pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
     let dir = TempDir::new("konn-capture");
     let pki = Pki::new(dir.path());
     let node = Netns::new("node");
@@ -138,7 +147,8 @@ pub async fn build(blob: bool) -> Topology {
         ],
         dir.path(),
     );
-    let server = control_plane.spawn(
+    let server = control_plane.spawn_from(
+        &binaries,
         "proxy-server",
         &[
             "--mode=grpc".to_owned(),
@@ -156,7 +166,8 @@ pub async fn build(blob: bool) -> Topology {
         ],
         dir.path(),
     );
-    let cp_agent = control_plane.spawn(
+    let cp_agent = control_plane.spawn_from(
+        &binaries,
         "proxy-agent",
         &[
             format!("--proxy-server-host={SERVER_IP}"),
@@ -181,6 +192,7 @@ pub async fn build(blob: bool) -> Topology {
     Topology {
         dir,
         pki,
+        binaries,
         node,
         _control_plane: control_plane,
         _nginx: nginx,
@@ -192,7 +204,8 @@ pub async fn build(blob: bool) -> Topology {
 
 impl Topology {
     pub fn start_node_agent(&self, extra_captures: &[String]) -> Proc {
-        self.node.spawn(
+        self.node.spawn_from(
+            &self.binaries,
             "proxy-agent",
             &node_agent_args(&self.pki, extra_captures),
             self.dir.path(),

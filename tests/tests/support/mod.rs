@@ -10,6 +10,7 @@ pub mod connect;
 pub mod foreign;
 pub mod grpc;
 pub mod h2_raw;
+pub mod image;
 pub mod kas;
 pub mod netns;
 pub mod procs;

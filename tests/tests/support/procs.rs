@@ -5,6 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use super::certs::Pki;
+use super::image::Binaries;
 use super::scrape::http_get;
 use super::{free_port, wait_until};
 
@@ -36,7 +37,13 @@ pub struct Proc {
 impl Proc {
     /// Spawns one of the workspace's binaries.
     pub fn spawn(binary: &str, args: &[String], log_dir: &Path) -> Proc {
-        Self::spawn_path(binary, &bin(binary), args, log_dir)
+        Self::spawn_from(&Binaries::Build, binary, args, log_dir)
+    }
+
+    /// Spawns one of the workspace's binaries from this build or the image.
+    pub fn spawn_from(binaries: &Binaries, binary: &str, args: &[String], log_dir: &Path) -> Proc {
+        let line = binaries.command_line(binary, args);
+        Self::spawn_path(binary, Path::new(&line[0]), &line[1..], log_dir)
     }
 
     /// Spawns a program from PATH (curl, socat, nginx...).
@@ -148,6 +155,7 @@ pub struct Server {
     pub agent_port: u16,
     pub health_port: u16,
     /// What it was started with, to start it again.
+    binaries: Binaries,
     args: Vec<String>,
     dir: std::path::PathBuf,
 }
@@ -156,6 +164,18 @@ impl Server {
     /// Starts proxy-server in `mode` with a TCP (mTLS) or UDS frontend and
     /// agent mTLS; `extra` flags are appended.
     pub async fn start(dir: &Path, pki: &Pki, mode: &str, uds: bool, extra: &[String]) -> Server {
+        Server::start_from(&Binaries::Build, dir, pki, mode, uds, extra).await
+    }
+
+    /// [`Server::start`] with the binary from this build or the image.
+    pub async fn start_from(
+        binaries: &Binaries,
+        dir: &Path,
+        pki: &Pki,
+        mode: &str,
+        uds: bool,
+        extra: &[String],
+    ) -> Server {
         let agent_port = free_port();
         let health_port = free_port();
         let mut args = vec![
@@ -186,13 +206,14 @@ impl Server {
             Frontend::Tcp(port)
         };
         args.extend(extra.iter().cloned());
-        let proc = Proc::spawn("proxy-server", &args, dir);
+        let proc = Proc::spawn_from(binaries, "proxy-server", &args, dir);
         wait_healthy(health_port).await;
         Server {
             proc,
             frontend,
             agent_port,
             health_port,
+            binaries: binaries.clone(),
             args,
             dir: dir.to_owned(),
         }
@@ -204,7 +225,7 @@ impl Server {
         self.proc.kill();
         let mut args = self.args.clone();
         args.push("--delete-existing-uds-file".to_owned());
-        self.proc = Proc::spawn("proxy-server", &args, &self.dir);
+        self.proc = Proc::spawn_from(&self.binaries, "proxy-server", &args, &self.dir);
         wait_healthy(self.health_port).await;
     }
 
@@ -254,6 +275,18 @@ pub struct Agent {
 impl Agent {
     /// Starts proxy-agent against a server's agent port, with mTLS.
     pub fn start(dir: &Path, pki: &Pki, server_agent_port: u16, id: &str, extra: &[String]) -> Agent {
+        Agent::start_from(&Binaries::Build, dir, pki, server_agent_port, id, extra)
+    }
+
+    /// [`Agent::start`] with the binary from this build or the image.
+    pub fn start_from(
+        binaries: &Binaries,
+        dir: &Path,
+        pki: &Pki,
+        server_agent_port: u16,
+        id: &str,
+        extra: &[String],
+    ) -> Agent {
         let health_port = free_port();
         let mut args = vec![
             "--proxy-server-host=127.0.0.1".to_owned(),
@@ -271,7 +304,7 @@ impl Agent {
         ];
         args.extend(extra.iter().cloned());
         Agent {
-            proc: Proc::spawn("proxy-agent", &args, dir),
+            proc: Proc::spawn_from(binaries, "proxy-agent", &args, dir),
             health_port,
         }
     }

@@ -1,0 +1,118 @@
+//! Where the binaries under test come from: this build (`target/<profile>/`)
+//! or the image, whose root filesystem `hack/image.sh` exports to
+//! `target/image/rootfs`. From the image, a binary runs in that filesystem
+//! (chroot), so it uses the image's own `nft`, libc and certificates, as it
+//! would in a container; the host's `/tmp` (the tests' files and sockets),
+//! `/dev`, `/run` (network namespaces) and a fresh `/proc` are mounted into
+//! it in a mount namespace of the process's own, which ends with it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::foreign::repo;
+use super::procs::bin;
+
+/// What runs the workspace's binaries.
+#[derive(Clone, Debug)]
+pub enum Binaries {
+    /// `target/<profile>/`, on this machine's filesystem.
+    Build,
+    /// The image's root filesystem, as root or as another user.
+    Image { root: Arc<PathBuf>, user: Option<u32> },
+}
+
+/// Mounts what the process needs from the host, then enters the image with
+/// the PATH a Debian image gives its processes. Run by `unshare --mount
+/// --propagation slave`: mounts made here never reach the host, and network
+/// namespaces the host adds later (pods) still appear under `/run/netns`.
+const ENTER_IMAGE: &str = r#"set -e
+root=$1 user=$2
+shift 2
+mount --rbind /tmp "$root/tmp"
+mount --rbind /dev "$root/dev"
+mount --rbind /run "$root/run"
+mount -t proc proc "$root/proc"
+exec chroot ${user:+--userspec=$user:$user} "$root" \
+  /usr/bin/env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@""#;
+
+impl Binaries {
+    /// The image's files, if `hack/image.sh` exported them; without them a
+    /// test is skipped, except under CI, where it fails.
+    pub fn image() -> Option<Binaries> {
+        let root = std::env::var_os("KONNECTIVITY_IMAGE_ROOTFS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| repo().join("target/image/rootfs"));
+        if root.join("usr/local/bin/proxy-agent").is_file() {
+            return Some(Binaries::Image {
+                root: Arc::new(root),
+                user: None,
+            });
+        }
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the image's files are needed at {} and CI is set (hack/image.sh exports them)",
+            root.display()
+        );
+        eprintln!(
+            "skipping: no image files at {} (bash hack/image.sh builds and exports them)",
+            root.display()
+        );
+        None
+    }
+
+    /// The same binaries, run as `uid` (and gid) instead of root.
+    pub fn as_user(&self, uid: u32) -> Binaries {
+        match self {
+            Binaries::Build => panic!("build binaries run as the test's user"),
+            Binaries::Image { root, .. } => Binaries::Image {
+                root: root.clone(),
+                user: Some(uid),
+            },
+        }
+    }
+
+    /// The command line that runs `binary` with `args`.
+    pub fn command_line(&self, binary: &str, args: &[String]) -> Vec<String> {
+        match self {
+            Binaries::Build => std::iter::once(bin(binary).display().to_string())
+                .chain(args.iter().cloned())
+                .collect(),
+            Binaries::Image { root, user } => [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "slave",
+                "--",
+                "sh",
+                "-c",
+                ENTER_IMAGE,
+                "enter-image",
+            ]
+            .into_iter()
+            .map(str::to_owned)
+            .chain([
+                root.display().to_string(),
+                user.map(|uid| uid.to_string()).unwrap_or_default(),
+                format!("/usr/local/bin/{binary}"),
+            ])
+            .chain(args.iter().cloned())
+            .collect(),
+        }
+    }
+
+    /// Where `binary` is on this machine's filesystem (to copy or inspect it).
+    pub fn host_path(&self, binary: &str) -> PathBuf {
+        match self {
+            Binaries::Build => bin(binary),
+            Binaries::Image { root, .. } => root.join("usr/local/bin").join(binary),
+        }
+    }
+
+    /// The image's root, if these are the image's binaries.
+    pub fn root(&self) -> Option<&Path> {
+        match self {
+            Binaries::Build => None,
+            Binaries::Image { root, .. } => Some(root),
+        }
+    }
+}
