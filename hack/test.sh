@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 source hack/lib/build-tools.sh
 require_build_tools hack/test.sh
 
-# Programs the tests use, by the Debian package that ships them.
+# Programs the tests use, by the Debian package that ships them (the Go
+# libraries build tests/go/*.go: a grpc-go client and Go's metrics parser).
 packages=(curl socat openssl iproute2 nftables nginx-light containernetworking-plugins
-  golang-go golang-google-grpc-dev golang-google-protobuf-dev)
+  golang-go golang-google-grpc-dev golang-google-protobuf-dev golang-github-prometheus-common-dev)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")

@@ -13,6 +13,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
 use crate::metrics::{AgentMetrics, DialFailure};
+use konnectivity_plumbing::net::ConnectError;
 
 /// A failed dial, with error text in the form Go's dialer writes, so that
 /// servers (ours and upstream's) classify it the same way.
@@ -28,26 +29,25 @@ pub async fn dial(
 ) -> Result<TcpStream, DialError> {
     let started = Instant::now();
     let connect = async {
-        match (mark, address.rsplit_once(':')) {
-            (Some(mark), Some((host, port))) => {
-                let port = port
-                    .parse()
-                    .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "invalid port"))?;
-                let host = host.trim_start_matches('[').trim_end_matches(']');
-                konnectivity_plumbing::net::connect_marked(host, port, Some(mark)).await
-            }
-            _ => TcpStream::connect(address).await,
-        }
+        let (host, port) = address
+            .rsplit_once(':')
+            .ok_or_else(|| format!("dial tcp {address}: address {address}: missing port in address"))?;
+        let port: u16 = port
+            .parse()
+            .map_err(|_| format!("dial tcp: address {address}: invalid port"))?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        konnectivity_plumbing::net::connect(host, port, mark)
+            .await
+            .map_err(|error| go_dial_error(address, &error))
     };
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(stream)) => {
             metrics.dial_duration.observe(started.elapsed().as_secs_f64());
-            let _ = stream.set_nodelay(true);
             Ok(stream)
         }
-        Ok(Err(error)) => {
+        Ok(Err(text)) => {
             metrics.dial_failed(DialFailure::Unknown);
-            Err(DialError(go_dial_error(address, &error)))
+            Err(DialError(text))
         }
         Err(_) => {
             metrics.dial_failed(DialFailure::Timeout);
@@ -56,7 +56,23 @@ pub async fn dial(
     }
 }
 
-fn go_dial_error(address: &str, error: &io::Error) -> String {
+/// The error text Go's dialer would write for the same failure.
+fn go_dial_error(address: &str, error: &ConnectError) -> String {
+    let error = match error {
+        ConnectError::Lookup { host, source } => {
+            // getaddrinfo's EAI_NONAME and EAI_NODATA are Go's "no such host".
+            let detail = source.to_string();
+            let detail = detail
+                .strip_prefix("failed to lookup address information: ")
+                .unwrap_or(&detail);
+            let cause = match detail {
+                "Name or service not known" | "No address associated with hostname" => "no such host",
+                other => other,
+            };
+            return format!("dial tcp: lookup {host}: {cause}");
+        }
+        ConnectError::Connect(error) => error,
+    };
     let cause = match error.kind() {
         io::ErrorKind::ConnectionRefused => "connect: connection refused".to_owned(),
         io::ErrorKind::ConnectionReset => "connect: connection reset by peer".to_owned(),
@@ -154,13 +170,21 @@ mod tests {
 
     #[test]
     fn errors_read_like_go_dialer_errors() {
-        let refused = io::Error::from(io::ErrorKind::ConnectionRefused);
+        let refused = ConnectError::Connect(io::Error::from(io::ErrorKind::ConnectionRefused));
         assert_eq!(
             go_dial_error("127.0.0.1:1", &refused),
             "dial tcp 127.0.0.1:1: connect: connection refused"
         );
-        let emfile = io::Error::from_raw_os_error(24);
+        let emfile = ConnectError::Connect(io::Error::from_raw_os_error(24));
         assert!(go_dial_error("a:1", &emfile).contains("too many open files"));
+        let unknown = ConnectError::Lookup {
+            host: "x.invalid".into(),
+            source: io::Error::other("failed to lookup address information: Name or service not known"),
+        };
+        assert_eq!(
+            go_dial_error("x.invalid:80", &unknown),
+            "dial tcp: lookup x.invalid: no such host"
+        );
     }
 
     #[tokio::test]

@@ -2,9 +2,10 @@
 //! (`konnectivity_network_proxy_agent_*`).
 
 pub use konnectivity_plumbing::metrics::Segment;
-use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors};
+use konnectivity_plumbing::metrics::{
+    GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, binary_registry, register,
+};
 use konnectivity_proto::PacketType;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -17,6 +18,16 @@ pub enum DialFailure {
     Unknown,
     /// Ours: refused by --max-endpoint-connections.
     Limit,
+}
+
+/// Which way talking to a server failed (upstream's deprecated
+/// `server_connection_failure_count{direction}`).
+#[derive(Clone, Copy, Debug)]
+pub enum ServerDirection {
+    /// Receiving from the server failed.
+    FromServer,
+    /// Sending to the server failed.
+    ToServer,
 }
 
 /// What became of a captured connection (node role).
@@ -43,80 +54,90 @@ pub struct AgentMetrics {
     pub alive_tasks: Gauge,
     /// Not upstream's: captured connections being tunneled now.
     pub captured_connections_open: Gauge,
-    captured: Family<Labels, Counter>,
-    dial_failures: Family<Labels, Counter>,
+    captured: Family<Labels, GoCounter>,
+    dial_failures: Family<Labels, GoCounter>,
+    server_failures: Family<Labels, GoCounter>,
     packets: PacketCounters,
     pub stream_errors: StreamErrors,
 }
 
 impl Default for AgentMetrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("konnectivity_network_proxy_agent");
-        let open_server_connections = Gauge::default();
-        let known_server_count = Gauge::default();
-        let open_endpoint_connections = Gauge::default();
-        let dial_duration = Histogram::new(LATENCY_BUCKETS);
-        let dial_failures = Family::<Labels, Counter>::default();
-        let alive_tasks = Gauge::default();
-        let captured_connections_open = Gauge::default();
-        let captured = Family::<Labels, Counter>::default();
-        registry.register(
-            "captured_connections_open",
-            "Captured node connections being tunneled now",
-            captured_connections_open.clone(),
-        );
-        registry.register(
-            "captured_connections",
-            "Captured node connections, by outcome",
-            captured.clone(),
-        );
-        registry.register(
-            "runtime_alive_tasks",
-            "Tasks alive in the agent's async runtime",
-            alive_tasks.clone(),
-        );
-        registry.register(
-            "open_server_connections",
-            "Current number of open connections to proxy-servers",
-            open_server_connections.clone(),
-        );
-        registry.register(
-            "known_server_count",
-            "Number of proxy-servers the agent should hold connections to",
-            known_server_count.clone(),
-        );
-        registry.register(
-            "open_endpoint_connections",
-            "Current number of open connections to endpoints",
-            open_endpoint_connections.clone(),
-        );
-        registry.register(
-            "dial_duration_seconds",
-            "Latency of dials to endpoints in seconds",
-            dial_duration.clone(),
-        );
-        // prometheus-client appends `_total`, giving upstream's
-        // `endpoint_dial_failure_total`.
-        registry.register(
-            "endpoint_dial_failure",
-            "Number of failed dials to endpoints, by reason",
-            dial_failures.clone(),
-        );
-        let packets = PacketCounters::register(&mut registry, Segment::AGENT);
-        let stream_errors = StreamErrors::register(&mut registry);
-        AgentMetrics {
-            registry,
-            packets,
-            stream_errors,
-            open_server_connections,
-            known_server_count,
-            open_endpoint_connections,
-            dial_duration,
-            alive_tasks,
-            captured_connections_open,
-            captured,
-            dial_failures,
-        }
+        let mut metrics = AgentMetrics {
+            registry: Registry::default(),
+            open_server_connections: Gauge::default(),
+            known_server_count: Gauge::default(),
+            open_endpoint_connections: Gauge::default(),
+            dial_duration: Histogram::new(LATENCY_BUCKETS),
+            alive_tasks: Gauge::default(),
+            captured_connections_open: Gauge::default(),
+            captured: Family::default(),
+            dial_failures: Family::default(),
+            server_failures: Family::default(),
+            packets: PacketCounters::default(),
+            stream_errors: StreamErrors::default(),
+        };
+        let registry = binary_registry("konnectivity_network_proxy_agent", |registry| {
+            // Upstream's families, with its HELP texts word for word (v0.36.0).
+            register(
+                registry,
+                "dial_duration_seconds",
+                "Latency of dial to the remote endpoint in seconds",
+                metrics.dial_duration.clone(),
+            );
+            register(
+                registry,
+                "server_connection_failure_count",
+                "Count of failures to send to or receive from the proxy server, labeled by the direction (from_server or to_server). DEPRECATED, please use stream_events_error_total",
+                metrics.server_failures.clone(),
+            );
+            register(
+                registry,
+                "endpoint_dial_failure_total",
+                "Number of failures dialing the remote endpoint, by reason (example: timeout).",
+                metrics.dial_failures.clone(),
+            );
+            register(
+                registry,
+                "open_server_connections",
+                "Current number of open server connections.",
+                metrics.open_server_connections.clone(),
+            );
+            register(
+                registry,
+                "known_server_count",
+                "Current number of servers agent is trying to connect to.",
+                metrics.known_server_count.clone(),
+            );
+            register(
+                registry,
+                "open_endpoint_connections",
+                "Current number of open endpoint connections.",
+                metrics.open_endpoint_connections.clone(),
+            );
+            metrics.packets = PacketCounters::register(registry, Segment::AGENT);
+            metrics.stream_errors = StreamErrors::register(registry);
+            // Ours.
+            register(
+                registry,
+                "captured_connections_open",
+                "Captured node connections being tunneled now.",
+                metrics.captured_connections_open.clone(),
+            );
+            register(
+                registry,
+                "captured_connections_total",
+                "Captured node connections, by outcome.",
+                metrics.captured.clone(),
+            );
+            register(
+                registry,
+                "runtime_alive_tasks",
+                "Tasks alive in the agent's async runtime.",
+                metrics.alive_tasks.clone(),
+            );
+        });
+        AgentMetrics { registry, ..metrics }
     }
 }
 
@@ -134,6 +155,16 @@ impl AgentMetrics {
             CaptureOutcome::DialFailed => "dial_failed",
         };
         self.captured.get_or_create(&vec![("outcome", outcome)]).inc();
+    }
+
+    pub fn server_failure(&self, direction: ServerDirection) {
+        let direction = match direction {
+            ServerDirection::FromServer => "from_server",
+            ServerDirection::ToServer => "to_server",
+        };
+        self.server_failures
+            .get_or_create(&vec![("direction", direction)])
+            .inc();
     }
 
     pub fn dial_failed(&self, reason: DialFailure) {

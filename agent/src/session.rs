@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
 use crate::endpoint::{self, DialError, EndpointClosed};
-use crate::metrics::{AgentMetrics, Segment};
+use crate::metrics::{AgentMetrics, Segment, ServerDirection};
 
 /// Settings a session needs from the agent's configuration.
 #[derive(Clone, Debug)]
@@ -114,12 +114,14 @@ where
                 Some(Ok(packet)) => session.on_packet(packet).await,
                 Some(Err(status)) => {
                     session.metrics.stream_errors.count(Segment::ToAgent, status.code(), None);
+                    session.metrics.server_failure(ServerDirection::FromServer);
                     break format!("stream error: {status}");
                 }
                 None => break "server closed the stream".to_owned(),
             },
         };
         if step.is_err() {
+            session.metrics.server_failure(ServerDirection::ToServer);
             break "outbound queue closed".to_owned();
         }
     };

@@ -1,11 +1,23 @@
-//! Prometheus text exposition with upstream's metric names.
+//! Prometheus metrics written as upstream's Go binaries write them: the text
+//! format 0.0.4 of Go's client, with upstream's names and HELP texts.
+//!
+//! prometheus-client speaks OpenMetrics, which differs from Go's text format
+//! in ways parsers notice: a counter's `# TYPE` line omits the `_total` its
+//! samples carry (Go's expfmt and Prometheus then read the samples as an
+//! untyped family without help), every HELP text gets a period appended, and
+//! the exposition ends with `# EOF`. So every family here is registered with
+//! [`register`], which writes its name and help exactly as given, counters
+//! are [`GoCounter`]s, whose samples carry exactly the family's name, and
+//! [`encode`] leaves out `# EOF`.
+
+pub mod process;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use konnectivity_proto::PacketType;
-use prometheus_client::encoding::{EncodeMetric, MetricEncoder};
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::{MetricType, TypedMetric};
@@ -17,9 +29,44 @@ pub type Labels = Vec<(&'static str, &'static str)>;
 /// Upstream's dial latency buckets, 1 µs to 12.5 s.
 pub const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
 
-/// The content type of [`encode`]'s output (Prometheus text format 0.0.4,
-/// which reads the OpenMetrics `# EOF` line as a comment).
+/// The content type of [`encode`]'s output (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// A registry for one binary: the process families (unprefixed, as Go's
+/// client exposes them) at its root, and a sub-registry with `prefix`
+/// (e.g. `konnectivity_network_proxy_server`) for everything else, which
+/// `fill` registers.
+pub fn binary_registry(prefix: &str, fill: impl FnOnce(&mut Registry)) -> Registry {
+    let mut root = Registry::default();
+    root.register_collector(Box::new(process::ProcessCollector));
+    fill(root.sub_registry_with_prefix(prefix));
+    root
+}
+
+/// Registers `metric` as the family `name` (after the registry's prefix)
+/// with exactly `help` as its HELP text.
+pub fn register<M>(registry: &mut Registry, name: &'static str, help: &'static str, metric: M)
+where
+    M: EncodeMetric + std::fmt::Debug + Send + Sync + 'static,
+{
+    registry.register_collector(Box::new(Described { name, help, metric }));
+}
+
+/// A metric with its family's name and help, encoded without changes.
+#[derive(Debug)]
+struct Described<M> {
+    name: &'static str,
+    help: &'static str,
+    metric: M,
+}
+
+impl<M: EncodeMetric + std::fmt::Debug + Send + Sync + 'static> Collector for Described<M> {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let metric_encoder =
+            encoder.encode_descriptor(self.name, self.help, None, self.metric.metric_type())?;
+        self.metric.encode(metric_encoder)
+    }
+}
 
 /// The `/metrics` reply: the registry's text, with `alive_tasks` first set
 /// to the number of tasks alive in the current runtime (a leak shows there).
@@ -33,23 +80,28 @@ pub fn reply(registry: &Registry, alive_tasks: &Gauge) -> crate::http::Reply {
     }
 }
 
+/// The registry in the text format 0.0.4 (no OpenMetrics `# EOF`).
 pub fn encode(registry: &Registry) -> String {
     let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, registry).expect("writing to a String cannot fail");
+    prometheus_client::encoding::text::encode_registry(&mut text, registry)
+        .expect("writing to a String cannot fail");
     text
 }
 
-/// A counter exposed under exactly its registered name.
-///
-/// prometheus-client appends `_total` to every counter, but some of upstream's
-/// counters (e.g. `konnectivity_network_proxy_server_dial_failure_count`) have
-/// no such suffix, and dashboards query them by that name.
+/// A counter as Go's client exposes it: its samples carry exactly the
+/// family's name (`…_total` where upstream's name has it, and nothing
+/// appended where it does not, as in `dial_failure_count`), and the family
+/// is typed `counter`.
 #[derive(Clone, Debug, Default)]
-pub struct UnsuffixedCounter(Arc<AtomicU64>);
+pub struct GoCounter(Arc<AtomicU64>);
 
-impl UnsuffixedCounter {
+impl GoCounter {
     pub fn inc(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
+        self.inc_by(1);
+    }
+
+    pub fn inc_by(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
     }
 
     pub fn get(&self) -> u64 {
@@ -57,12 +109,13 @@ impl UnsuffixedCounter {
     }
 }
 
-impl TypedMetric for UnsuffixedCounter {
+impl TypedMetric for GoCounter {
     const TYPE: MetricType = MetricType::Counter;
 }
 
-impl EncodeMetric for UnsuffixedCounter {
+impl EncodeMetric for GoCounter {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        // A gauge's sample is the bare family name; the type stays counter.
         encoder.encode_gauge(&self.get())
     }
 
@@ -92,27 +145,52 @@ impl Drop for GaugeGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prometheus_client::metrics::counter::Counter;
-    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::histogram::Histogram;
 
     #[test]
-    fn unsuffixed_counter_keeps_its_name() {
-        let mut registry = Registry::with_prefix("konnectivity_network_proxy_server");
-        let failures = Family::<Vec<(String, String)>, UnsuffixedCounter>::default();
-        registry.register("dial_failure_count", "Dial failures", failures.clone());
-        let packets = Counter::<u64>::default();
-        registry.register("stream_packets", "Packets", packets.clone());
-        failures
-            .get_or_create(&vec![("reason".into(), "no_agent".into())])
-            .inc();
-        packets.inc();
+    fn families_read_as_gos_client_writes_them() {
+        let failures = Family::<Labels, GoCounter>::default();
+        let packets = GoCounter::default();
+        let latency = Histogram::new([0.5]);
+        let registry = binary_registry("konnectivity_network_proxy_server", |registry| {
+            register(
+                registry,
+                "dial_failure_count",
+                "Number of dial failures observed. Multiple failures can occur for a single dial request.",
+                failures.clone(),
+            );
+            register(
+                registry,
+                "stream_packets_total",
+                "Count of packets processed",
+                packets.clone(),
+            );
+            register(
+                registry,
+                "dial_duration_seconds",
+                "Latency of dial to the remote endpoint in seconds",
+                latency.clone(),
+            );
+        });
+        failures.get_or_create(&vec![("reason", "no_agent")]).inc();
+        packets.inc_by(3);
+        latency.observe(0.25);
         let text = encode(&registry);
-        assert!(
-            text.contains("konnectivity_network_proxy_server_dial_failure_count{reason=\"no_agent\"} 1\n"),
-            "{text}"
-        );
-        assert!(text.contains("# TYPE konnectivity_network_proxy_server_dial_failure_count counter"));
-        assert!(text.contains("konnectivity_network_proxy_server_stream_packets_total 1\n"));
+        for line in [
+            "# HELP konnectivity_network_proxy_server_dial_failure_count Number of dial failures observed. Multiple failures can occur for a single dial request.\n",
+            "# TYPE konnectivity_network_proxy_server_dial_failure_count counter\n",
+            "konnectivity_network_proxy_server_dial_failure_count{reason=\"no_agent\"} 1\n",
+            "# HELP konnectivity_network_proxy_server_stream_packets_total Count of packets processed\n",
+            "# TYPE konnectivity_network_proxy_server_stream_packets_total counter\n",
+            "konnectivity_network_proxy_server_stream_packets_total 3\n",
+            // No period appended to a help text that has none.
+            "# HELP konnectivity_network_proxy_server_dial_duration_seconds Latency of dial to the remote endpoint in seconds\n",
+            "konnectivity_network_proxy_server_dial_duration_seconds_count 1\n",
+            "# TYPE process_cpu_seconds_total counter\n",
+        ] {
+            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
+        assert!(!text.contains("# EOF"), "{text}");
     }
 }
 
@@ -176,7 +254,7 @@ fn packet_index(kind: PacketType) -> usize {
 /// once so the data path never builds a label set.
 #[derive(Debug, Clone, Default)]
 pub struct PacketCounters {
-    counters: [[Counter; PACKET_TYPES]; 4],
+    counters: [[GoCounter; PACKET_TYPES]; 4],
 }
 
 impl PacketCounters {
@@ -184,8 +262,8 @@ impl PacketCounters {
     /// a series for every packet type on each of `segments`. Counting on
     /// another segment is allowed but shows nowhere.
     pub fn register(registry: &mut Registry, segments: &[Segment]) -> PacketCounters {
-        let family = Family::<Labels, Counter>::default();
-        let mut counters: [[Counter; PACKET_TYPES]; 4] = Default::default();
+        let family = Family::<Labels, GoCounter>::default();
+        let mut counters: [[GoCounter; PACKET_TYPES]; 4] = Default::default();
         for &segment in segments {
             let row = &mut counters[segment as usize];
             for (kind, counter) in ALL_PACKET_TYPES.into_iter().zip(row.iter_mut()) {
@@ -197,9 +275,10 @@ impl PacketCounters {
                     .clone();
             }
         }
-        registry.register(
-            "stream_packets",
-            "Count of packets processed, by segment and packet type",
+        register(
+            registry,
+            "stream_packets_total",
+            "Count of packets processed, by segment and packet type (example: from_client, DIAL_REQ)",
             family,
         );
         PacketCounters { counters }
@@ -228,7 +307,7 @@ mod packet_tests {
             text.contains(r#"p_stream_packets_total{segment="to_agent",packet_type="WINDOW_UPDATE"} 1"#),
             "{text}"
         );
-        assert!(!text.contains("from_client"), "{text}");
+        assert!(!text.contains("segment=\"from_client\""), "{text}");
     }
 
     #[test]
@@ -261,14 +340,15 @@ mod packet_tests {
 /// leg, gRPC status code (Go's names, as upstream prints them) and the
 /// packet involved (`Unknown` when none was).
 #[derive(Debug, Clone, Default)]
-pub struct StreamErrors(Family<Labels, Counter>);
+pub struct StreamErrors(Family<Labels, GoCounter>);
 
 impl StreamErrors {
     pub fn register(registry: &mut Registry) -> StreamErrors {
-        let family = Family::<Labels, Counter>::default();
-        registry.register(
-            "stream_errors",
-            "Count of gRPC stream errors, by segment, grpc Code, packet type",
+        let family = Family::<Labels, GoCounter>::default();
+        register(
+            registry,
+            "stream_errors_total",
+            "Count of gRPC stream errors, by segment, grpc Code, packet type. (example: from_agent, Code.Unavailable, DIAL_RSP)",
             family.clone(),
         );
         StreamErrors(family)

@@ -1,18 +1,20 @@
 //! The server's Prometheus metrics, under upstream's names
 //! (`konnectivity_network_proxy_server_*`).
 
+use std::time::Instant;
+
 pub use konnectivity_plumbing::metrics::Segment;
-use konnectivity_plumbing::metrics::UnsuffixedCounter;
-use konnectivity_plumbing::metrics::{LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors};
+use konnectivity_plumbing::metrics::{
+    GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, binary_registry, register,
+};
 use konnectivity_proto::PacketType;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Why a dial failed: upstream's `dial_failure_count` reasons, plus two of
-/// ours for failures upstream has no path for.
+/// Why a dial failed: upstream's `dial_failure_count` reasons, plus one of
+/// ours for a failure upstream has no path for.
 #[derive(Clone, Copy, Debug)]
 pub enum DialFailure {
     /// No agent could be chosen for the destination.
@@ -27,8 +29,8 @@ pub enum DialFailure {
     BackendClose,
     /// The frontend cancelled (DIAL_CLS) or went away first.
     FrontendClose,
-    /// Ours: no DIAL_RSP within --backend-dial-timeout.
-    Timeout,
+    /// No DIAL_RSP within --backend-dial-timeout.
+    BackendDialTimeout,
     /// Ours: a node client asked for a destination outside the allow-list.
     NodePolicy,
 }
@@ -42,7 +44,7 @@ impl DialFailure {
             DialFailure::SendResponse => "send_rsp",
             DialFailure::BackendClose => "backend_close",
             DialFailure::FrontendClose => "frontend_close",
-            DialFailure::Timeout => "timeout",
+            DialFailure::BackendDialTimeout => "backend_dial_timeout",
             DialFailure::NodePolicy => "node_policy",
         }
     }
@@ -59,6 +61,8 @@ pub struct ServerMetrics {
     /// Agents each configured strategy can choose (`ready_backends{proxy_strategy}`).
     ready_backends: Family<Labels, Gauge>,
     pub dial_duration: Histogram,
+    /// How long established connections lasted (upstream master's).
+    connection_duration: Histogram,
     /// How long writing a chunk to the frontend client took.
     pub frontend_write_duration: Histogram,
     pub stream_errors: StreamErrors,
@@ -69,23 +73,30 @@ pub struct ServerMetrics {
     pub alive_tasks: Gauge,
     grpc_connections: Family<Labels, Gauge>,
     /// Ours: requests refused by --max-tunnels-per-frontend, by frontend.
-    limit_refusals: Family<Labels, Counter>,
+    limit_refusals: Family<Labels, GoCounter>,
     /// Ours: CONNECT requests refused before any dial, by HTTP status.
-    connect_rejections: Family<Labels, Counter>,
-    dial_failures: Family<Labels, UnsuffixedCounter>,
+    connect_rejections: Family<Labels, GoCounter>,
+    dial_failures: Family<Labels, GoCounter>,
+    /// Upstream's lease garbage collector's count; 0 until leases exist here.
+    culled_leases: GoCounter,
     packets: PacketCounters,
 }
 
+/// Upstream master's `connection_duration_seconds` buckets, 1 s to 24 h.
+const CONNECTION_DURATION_BUCKETS: [f64; 12] = [
+    1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 14400.0, 43200.0, 86400.0,
+];
+
 impl Default for ServerMetrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("konnectivity_network_proxy_server");
-        let metrics = ServerMetrics {
+        let mut metrics = ServerMetrics {
             established_connections: Gauge::default(),
             pending_backend_dials: Gauge::default(),
             http_connections: Gauge::default(),
             ready_backend_connections: Gauge::default(),
             ready_backends: Family::default(),
             dial_duration: Histogram::new(LATENCY_BUCKETS),
+            connection_duration: Histogram::new(CONNECTION_DURATION_BUCKETS),
             frontend_write_duration: Histogram::new(LATENCY_BUCKETS),
             stream_errors: StreamErrors::default(),
             full_receive_channels: Family::default(),
@@ -94,88 +105,138 @@ impl Default for ServerMetrics {
             limit_refusals: Family::default(),
             connect_rejections: Family::default(),
             dial_failures: Family::default(),
+            culled_leases: GoCounter::default(),
             packets: PacketCounters::default(),
             registry: Registry::default(),
         };
-        registry.register(
-            "established_connections",
-            "Current number of established end-to-end connections",
-            metrics.established_connections.clone(),
-        );
-        registry.register(
-            "pending_backend_dials",
-            "Current number of pending backend dial requests",
-            metrics.pending_backend_dials.clone(),
-        );
-        registry.register(
-            "http_connections",
-            "Number of current HTTP CONNECT connections",
-            metrics.http_connections.clone(),
-        );
-        registry.register(
-            "ready_backend_connections",
-            "Number of konnectivity agent streams connected to this server",
-            metrics.ready_backend_connections.clone(),
-        );
-        registry.register(
-            "ready_backends",
-            "Number of agents each proxy strategy can choose",
-            metrics.ready_backends.clone(),
-        );
-        registry.register(
-            "frontend_write_duration_seconds",
-            "Latency of write to the frontend in seconds",
-            metrics.frontend_write_duration.clone(),
-        );
-        registry.register(
-            "dial_duration_seconds",
-            "Latency of dial to the remote endpoint in seconds",
-            metrics.dial_duration.clone(),
-        );
-        registry.register(
-            "full_receive_channels",
-            "Number of current connections blocked by a full receive channel, by service method",
-            metrics.full_receive_channels.clone(),
-        );
-        registry.register(
-            "runtime_alive_tasks",
-            "Tasks alive in the server's async runtime",
-            metrics.alive_tasks.clone(),
-        );
-        registry.register(
-            "grpc_connections",
-            "Number of current grpc connections, partitioned by service method",
-            metrics.grpc_connections.clone(),
-        );
-        registry.register(
-            "tunnel_limit_refusals",
-            "Tunnels refused by --max-tunnels-per-frontend, by frontend",
-            metrics.limit_refusals.clone(),
-        );
-        registry.register(
-            "http_connect_rejections",
-            "CONNECT requests refused before any dial (malformed, not CONNECT, head too large or too slow), by HTTP status",
-            metrics.connect_rejections.clone(),
-        );
-        registry.register(
-            "dial_failure_count",
-            "Number of dial failures observed, by reason",
-            metrics.dial_failures.clone(),
-        );
+        let registry = binary_registry("konnectivity_network_proxy_server", |registry| {
+            // Upstream's families, with its HELP texts word for word (v0.36.0;
+            // connection_duration_seconds from master).
+            register(
+                registry,
+                "dial_duration_seconds",
+                "Latency of dial to the remote endpoint in seconds",
+                metrics.dial_duration.clone(),
+            );
+            register(
+                registry,
+                "frontend_write_duration_seconds",
+                "Latency of write to the frontend in seconds",
+                metrics.frontend_write_duration.clone(),
+            );
+            register(
+                registry,
+                "connection_duration_seconds",
+                "Duration in seconds a proxied end-to-end connection was established (post-dial) before being closed.",
+                metrics.connection_duration.clone(),
+            );
+            register(
+                registry,
+                "grpc_connections",
+                "Number of current grpc connections, partitioned by service method.",
+                metrics.grpc_connections.clone(),
+            );
+            register(
+                registry,
+                "http_connections",
+                "Number of current HTTP CONNECT connections",
+                metrics.http_connections.clone(),
+            );
+            register(
+                registry,
+                "ready_backend_connections",
+                "Number of konnectivity agent connected to the proxy server. DEPRECATED, please use ready_backends",
+                metrics.ready_backend_connections.clone(),
+            );
+            register(
+                registry,
+                "ready_backends",
+                "Number of konnectivity agent connected to the proxy server",
+                metrics.ready_backends.clone(),
+            );
+            register(
+                registry,
+                "pending_backend_dials",
+                "Current number of pending backend dial requests",
+                metrics.pending_backend_dials.clone(),
+            );
+            register(
+                registry,
+                "established_connections",
+                "Current number of established end-to-end connections (post-dial).",
+                metrics.established_connections.clone(),
+            );
+            register(
+                registry,
+                "full_receive_channels",
+                "Number of current connections blocked by a full receive channel, partitioned by service method.",
+                metrics.full_receive_channels.clone(),
+            );
+            register(
+                registry,
+                "dial_failure_count",
+                "Number of dial failures observed. Multiple failures can occur for a single dial request.",
+                metrics.dial_failures.clone(),
+            );
+            register(
+                registry,
+                "culled_leases_count",
+                "Count of expired leases that the lease garbage collection controller has culled.",
+                metrics.culled_leases.clone(),
+            );
+            metrics.packets = PacketCounters::register(registry, Segment::ALL);
+            metrics.stream_errors = StreamErrors::register(registry);
+            // Ours.
+            register(
+                registry,
+                "runtime_alive_tasks",
+                "Tasks alive in the server's async runtime.",
+                metrics.alive_tasks.clone(),
+            );
+            register(
+                registry,
+                "tunnel_limit_refusals_total",
+                "Tunnels refused by --max-tunnels-per-frontend, by frontend.",
+                metrics.limit_refusals.clone(),
+            );
+            register(
+                registry,
+                "http_connect_rejections_total",
+                "CONNECT requests refused before any dial (malformed, not CONNECT, head too large or too slow), by HTTP status.",
+                metrics.connect_rejections.clone(),
+            );
+        });
         // Present from the start, so a dashboard sees 0 rather than nothing.
         metrics.full_receive_channels("Connect");
-        let packets = PacketCounters::register(&mut registry, Segment::ALL);
-        let stream_errors = StreamErrors::register(&mut registry);
-        ServerMetrics {
-            registry,
-            packets,
-            stream_errors,
-            ..metrics
-        }
+        ServerMetrics { registry, ..metrics }
+    }
+}
+
+/// An established connection, counted in `established_connections` while
+/// it lives and observed in `connection_duration_seconds` when it ends.
+#[derive(Debug)]
+pub struct Established {
+    _open: GaugeGuard,
+    duration: Histogram,
+    since: Instant,
+}
+
+impl Drop for Established {
+    fn drop(&mut self) {
+        self.duration.observe(self.since.elapsed().as_secs_f64());
     }
 }
 
 impl ServerMetrics {
+    /// A connection just established (DIAL_RSP without error).
+    pub fn established(&self) -> Established {
+        Established {
+            _open: GaugeGuard::new(&self.established_connections),
+            duration: self.connection_duration.clone(),
+            since: Instant::now(),
+        }
+    }
+
     pub fn dial_failed(&self, reason: DialFailure) {
         self.dial_failures
             .get_or_create(&vec![("reason", reason.label())])

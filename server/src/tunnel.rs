@@ -128,7 +128,7 @@ impl Dialer {
         let answer = match answer {
             Ok(answer) => answer,
             Err(timeout) => {
-                self.metrics.dial_failed(DialFailure::Timeout);
+                self.metrics.dial_failed(DialFailure::BackendDialTimeout);
                 return Err(timeout);
             }
         };

@@ -203,6 +203,32 @@ async fn refused_target_answers_502_naming_the_error() {
     assert_gauges_return_to_zero(&setup).await;
 }
 
+/// A name that does not resolve reads as Go's dialer writes it ("lookup …:
+/// no such host"), which upstream's suite (TestFailedDNSLookupProxy_HTTPCONN)
+/// and operators' log searches look for. `.invalid` never resolves (RFC 6761).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unresolvable_name_answers_502_with_no_such_host() {
+    let setup = setup(true, &[]).await;
+    let refused = via_uds(setup.server.uds_path(), "konnectivity-test.invalid:80")
+        .await
+        .unwrap()
+        .expect_err("the name does not resolve");
+    assert_eq!(refused.status, 502, "{refused:?}");
+    assert!(
+        refused
+            .body
+            .contains("dial tcp: lookup konnectivity-test.invalid: no such host"),
+        "{refused:?}"
+    );
+    let failures = metric(
+        setup.agent.health_port,
+        r#"konnectivity_network_proxy_agent_endpoint_dial_failure_total{reason="unknown"}"#,
+    )
+    .await;
+    assert_eq!(failures, Some(1.0));
+    assert_gauges_return_to_zero(&setup).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dial_timeout_answers_504() {
     let setup = setup(false, &["--dial-timeout=1s".to_owned()]).await;
@@ -467,7 +493,7 @@ async fn backend_dial_timeout_answers_504_and_cancels_the_agents_dial() {
     assert_eq!(
         metric(
             port,
-            r#"konnectivity_network_proxy_server_dial_failure_count{reason="timeout"}"#
+            r#"konnectivity_network_proxy_server_dial_failure_count{reason="backend_dial_timeout"}"#
         )
         .await,
         Some(1.0)

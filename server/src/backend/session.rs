@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 
 use super::registry::Registry;
 use super::{Backend, BackendGone, Command, Event};
-use crate::metrics::{DialFailure, Segment, ServerMetrics};
+use crate::metrics::{DialFailure, Established, Segment, ServerMetrics};
 
 struct PendingDial {
     events: mpsc::UnboundedSender<Event>,
@@ -28,7 +28,7 @@ struct Connection {
     events: mpsc::UnboundedSender<Event>,
     send_window: SendWindow,
     receive_gate: ReceiveGate,
-    _gauge: GaugeGuard,
+    _established: Established,
 }
 
 impl Drop for Connection {
@@ -222,7 +222,7 @@ impl Session {
                             events: pending.events,
                             send_window: pending.send_window,
                             receive_gate: pending.receive_gate,
-                            _gauge: GaugeGuard::new(&self.metrics.established_connections),
+                            _established: self.metrics.established(),
                         },
                     );
                 } else {

@@ -1,13 +1,12 @@
-//! Clients that are not ours, to show compatibility with what users run:
-//! Python's grpcio (gRPC core, the C implementation) and grpc-go, the
-//! library kube-apiserver's egress is built on. hack/test.sh installs both
-//! (grpcio from PyPI into its virtual environment, grpc-go as Debian's
-//! golang-google-grpc-dev); without them a test is skipped, except under CI,
-//! where it fails.
+//! Software that is not ours, to show compatibility with what users run:
+//! Python's grpcio (gRPC core, the C implementation), grpc-go, the library
+//! kube-apiserver's egress is built on, and Go's Prometheus text parser.
+//! hack/test.sh installs them (grpcio from PyPI into its virtual
+//! environment, the Go libraries as Debian's -dev packages); without them a
+//! test is skipped, except under CI, where it fails.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 /// The repository's root.
 pub fn repo() -> &'static Path {
@@ -36,26 +35,38 @@ pub fn python_with_grpcio() -> Option<PathBuf> {
     }
 }
 
-/// tests/go/kas_client.go built with Debian's Go and grpc-go (GOPATH mode:
-/// Debian ships the sources under /usr/share/gocode, no module download),
-/// once per test process.
+/// tests/go/kas_client.go: a gRPC client on grpc-go, as kube-apiserver's.
 pub fn grpc_go_client() -> Option<PathBuf> {
-    static BUILT: OnceLock<Option<PathBuf>> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let gopath = Path::new("/usr/share/gocode");
-            if Command::new("go").arg("version").output().is_err()
-                || !gopath.join("src/google.golang.org/grpc").is_dir()
-            {
-                return missing("go with Debian's golang-google-grpc-dev");
-            }
+    go_program("kas_client", "google.golang.org/grpc")
+}
+
+/// tests/go/metric_families.go: Go's Prometheus text parser (expfmt).
+pub fn go_metric_parser() -> Option<PathBuf> {
+    go_program("metric_families", "github.com/prometheus/common/expfmt")
+}
+
+/// tests/go/NAME.go built with Debian's Go and the Go libraries Debian
+/// packages (GOPATH mode: the sources are under /usr/share/gocode, nothing
+/// is downloaded), once per test process. `needs` is the package it imports
+/// that only Debian's -dev package provides.
+fn go_program(name: &'static str, needs: &str) -> Option<PathBuf> {
+    static BUILT: std::sync::Mutex<Vec<(&'static str, Option<PathBuf>)>> = std::sync::Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, binary)) = built.iter().find(|(built_name, _)| *built_name == name) {
+        return binary.clone();
+    }
+    let gopath = Path::new("/usr/share/gocode");
+    let binary =
+        if Command::new("go").arg("version").output().is_err() || !gopath.join("src").join(needs).is_dir() {
+            missing(&format!("go with Debian's package of {needs}"))
+        } else {
             let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("go");
-            let binary = out.join("kas_client");
+            let binary = out.join(name);
             let output = Command::new("go")
                 .arg("build")
                 .arg("-o")
                 .arg(&binary)
-                .arg(repo().join("tests/go/kas_client.go"))
+                .arg(repo().join(format!("tests/go/{name}.go")))
                 .env("GO111MODULE", "off")
                 .env("GOPATH", gopath)
                 .env("GOCACHE", out.join("cache"))
@@ -64,12 +75,13 @@ pub fn grpc_go_client() -> Option<PathBuf> {
                 .expect("run go build");
             assert!(
                 output.status.success(),
-                "go build tests/go/kas_client.go:\n{}",
+                "go build tests/go/{name}.go:\n{}",
                 String::from_utf8_lossy(&output.stderr)
             );
             Some(binary)
-        })
-        .clone()
+        };
+    built.push((name, binary.clone()));
+    binary
 }
 
 /// Runs a client to completion and returns its output, failing the test
