@@ -220,7 +220,7 @@ pub struct Config {
     pub identity: Option<Identity>,
     /// `--service-account-token-path`.
     pub token_path: Option<PathBuf>,
-    pub alpn: Vec<Vec<u8>>,
+    pub alpn: Vec<String>,
     pub agent_id: String,
     pub identifiers: AgentIdentifiers,
     pub sync_interval: Duration,
@@ -327,10 +327,10 @@ impl Config {
             })?
         };
         // gRPC needs h2; --alpn-proto adds to it, as upstream's does.
-        let mut alpn = vec![b"h2".to_vec()];
+        let mut alpn = vec!["h2".to_owned()];
         for proto in &args.alpn_proto.0 {
-            if !alpn.contains(&proto.as_bytes().to_vec()) {
-                alpn.push(proto.as_bytes().to_vec());
+            if !alpn.contains(proto) {
+                alpn.push(proto.clone());
             }
         }
         let agent_id = if args.agent_id.is_empty() {

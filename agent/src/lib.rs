@@ -96,7 +96,7 @@ pub async fn run(
         health, endpoints,
     )));
 
-    let alpn: Vec<&[u8]> = config.alpn.iter().map(Vec::as_slice).collect();
+    let alpn: Vec<&[u8]> = config.alpn.iter().map(|proto| proto.as_bytes()).collect();
     let tls = tls::client_config(config.ca_cert.as_ref(), config.identity.as_ref(), &alpn)?;
     let target = ServerTarget {
         host: config.server_host.clone(),

@@ -24,7 +24,7 @@ use tonic::transport::Channel;
 use crate::Backoff;
 use crate::metrics::AgentMetrics;
 use crate::server_conn::ServerTarget;
-use crate::session::{self, SessionSettings};
+use crate::session::{self, SessionSettings, StreamEnd};
 
 /// How often and how eagerly the agent re-checks its servers.
 #[derive(Clone, Copy, Debug)]
@@ -134,7 +134,14 @@ pub async fn serve(
                             reason = run => reason,
                             failure = watch_server(probe, &reports) => failure,
                         };
-                        tracing::warn!(server_id = %id, %reason, "lost proxy-server stream");
+                        match &reason {
+                            StreamEnd::ServerWentAway(_) => {
+                                tracing::info!(server_id = %id, %reason, "proxy-server stream ended; reconnecting")
+                            }
+                            StreamEnd::Failed(_) => {
+                                tracing::warn!(server_id = %id, %reason, "lost proxy-server stream")
+                            }
+                        }
                         let _ = reports.send(Report::Ended(id));
                     });
                     held.insert(server_id, SessionTask(task));
@@ -161,7 +168,7 @@ struct Probe {
 
 /// Probes the connection until a probe fails, and returns why; never
 /// returns for servers that are not probed.
-async fn watch_server(probe: Option<Probe>, reports: &mpsc::UnboundedSender<Report>) -> String {
+async fn watch_server(probe: Option<Probe>, reports: &mpsc::UnboundedSender<Report>) -> StreamEnd {
     let Some(probe) = probe else {
         return std::future::pending().await;
     };
@@ -173,7 +180,12 @@ async fn watch_server(probe: Option<Probe>, reports: &mpsc::UnboundedSender<Repo
             Ok(answer) => {
                 let _ = reports.send(Report::ServerCount(answer.server_count));
             }
-            Err(error) => return format!("probe failed: {}", konnectivity_plumbing::error_chain(&error)),
+            Err(error) => {
+                return StreamEnd::Failed(format!(
+                    "probe failed: {}",
+                    konnectivity_plumbing::error_chain(&error)
+                ));
+            }
         }
     }
 }

@@ -70,6 +70,66 @@ struct Session {
 /// The outbound queue to the server is gone: the stream has ended.
 struct StreamGone;
 
+/// Why a server stream ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamEnd {
+    /// The server ended the stream or closed its connection: it stopped,
+    /// restarted or was cut off. Servers close without a TLS close_notify
+    /// when they stop, so a bare end of the connection is this, not an error.
+    ServerWentAway(&'static str),
+    /// Anything else: a protocol or transport error, a failed probe.
+    Failed(String),
+}
+
+impl std::fmt::Display for StreamEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamEnd::ServerWentAway(how) => f.write_str(how),
+            StreamEnd::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+impl StreamEnd {
+    /// How a stream that failed with `status` ended.
+    fn from_status(status: &tonic::Status) -> StreamEnd {
+        if connection_ended(status) {
+            StreamEnd::ServerWentAway("the server closed the connection")
+        } else {
+            StreamEnd::Failed(format!("stream error: {status}"))
+        }
+    }
+}
+
+/// Whether the error under `status` is the connection's end (EOF, reset,
+/// broken pipe, or the server's GOAWAY without error) rather than
+/// something the server said or did wrong.
+fn connection_ended(status: &tonic::Status) -> bool {
+    let closed = |io: &std::io::Error| {
+        matches!(
+            io.kind(),
+            std::io::ErrorKind::UnexpectedEof
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+                | std::io::ErrorKind::BrokenPipe
+        )
+    };
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(error) = source {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            return closed(io);
+        }
+        // h2 reports an I/O failure of the connection as its own error, whose
+        // source skips the io::Error itself.
+        if let Some(h2) = error.downcast_ref::<h2::Error>() {
+            return h2.get_io().is_some_and(closed)
+                || (h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR));
+        }
+        source = error.source();
+    }
+    false
+}
+
 /// Serves one server stream until it ends. Dropping the session closes every
 /// endpoint connection on it and abandons its pending dials.
 pub async fn run<S>(
@@ -79,7 +139,7 @@ pub async fn run<S>(
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     mut drain: watch::Receiver<bool>,
-) -> String
+) -> StreamEnd
 where
     S: futures_util::Stream<Item = Result<Packet, tonic::Status>> + Unpin,
 {
@@ -115,14 +175,14 @@ where
                 Some(Err(status)) => {
                     session.metrics.stream_errors.count(Segment::ToAgent, status.code(), None);
                     session.metrics.server_failure(ServerDirection::FromServer);
-                    break format!("stream error: {status}");
+                    break StreamEnd::from_status(&status);
                 }
-                None => break "server closed the stream".to_owned(),
+                None => break StreamEnd::ServerWentAway("the server ended the stream"),
             },
         };
         if step.is_err() {
             session.metrics.server_failure(ServerDirection::ToServer);
-            break "outbound queue closed".to_owned();
+            break StreamEnd::Failed("sending to the server failed (outbound queue closed)".to_owned());
         }
     };
     for (_, dial) in session.dials.drain() {

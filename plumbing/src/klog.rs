@@ -10,9 +10,13 @@ use crate::flags::parse_bool;
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Logging (klog-compatible)")]
 pub struct KlogArgs {
-    /// Log verbosity: 0-1 info, 2-4 debug, 5+ trace.
+    /// Log verbosity: 0-1 info, 2-4 debug (every tunnel's life), 5+ trace.
     #[arg(short = 'v', long = "v", default_value_t = 0)]
     pub verbosity: u32,
+    /// Log format: text (klog's) or json (one object per line, as
+    /// Kubernetes components write it).
+    #[arg(long, value_enum, default_value = "text")]
+    pub logging_format: crate::logging::LogFormat,
     /// Per-module verbosity (klog only; not applied).
     #[arg(long, default_value = "")]
     pub vmodule: String,
@@ -90,7 +94,7 @@ impl KlogArgs {
     /// Installs logging as these flags ask.
     pub fn init_logging(&self) -> std::io::Result<()> {
         let file = (!self.log_file.is_empty()).then(|| std::path::PathBuf::from(&self.log_file));
-        crate::logging::init(self.verbosity, file.as_deref())
+        crate::logging::init(self.verbosity, self.logging_format, file.as_deref())
     }
 }
 

@@ -1,10 +1,36 @@
-//! Logging through `tracing`, with klog's `-v` levels mapped onto it.
+//! Logging through `tracing`, written the way Kubernetes components write
+//! their logs, so log pipelines built for upstream's binaries keep parsing:
+//!
+//! - `text` (default): klog's header and structured form,
+//!   `I1203 07:44:04.148937   12345 grpc.rs:282] "msg" key="value" n=3`;
+//!   never coloured (container logs are pipes, and klog has no colour);
+//! - `json` (`--logging-format=json`, the flag Kubernetes components use):
+//!   one object per line, with the keys of Kubernetes' JSON logger:
+//!   `{"ts":1764748044.148937,"caller":"grpc.rs:282","msg":"…","v":0,"key":"value"}`
+//!   (`"err"` for errors, as it writes them).
+//!
+//! klog's `-v` maps onto levels: 0-1 info, 2-4 debug, 5+ trace; `RUST_LOG`,
+//! when set, wins.
 
+use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tracing::field::{Field, Visit};
+use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields};
+use tracing_subscriber::registry::LookupSpan;
 
-/// Installs the global subscriber. `verbosity` is klog's `-v`: 0-1 log at
-/// info, 2-4 at debug, 5 and more at trace. `RUST_LOG`, when set, wins.
-pub fn init(verbosity: u32, log_file: Option<&std::path::Path>) -> std::io::Result<()> {
+/// `--logging-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Installs the global subscriber.
+pub fn init(verbosity: u32, format: LogFormat, log_file: Option<&std::path::Path>) -> std::io::Result<()> {
     let level = match verbosity {
         0..=1 => "info",
         2..=4 => "debug",
@@ -13,16 +39,261 @@ pub fn init(verbosity: u32, log_file: Option<&std::path::Path>) -> std::io::Resu
     // h2 and hyper are very chatty at debug; keep them at info unless asked.
     let default = format!("{level},h2=info,hyper=info,tower=info,rustls=info");
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .event_format(KubernetesFormat {
+            format,
+            pid: std::process::id(),
+        });
     match log_file {
         Some(path) => {
             let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-            builder
-                .with_ansi(false)
-                .with_writer(std::sync::Mutex::new(file))
-                .init();
+            builder.with_writer(std::sync::Mutex::new(file)).init();
         }
         None => builder.with_writer(std::io::stderr).init(),
     }
     Ok(())
+}
+
+/// Formats events as klog text or Kubernetes JSON.
+struct KubernetesFormat {
+    format: LogFormat,
+    pid: u32,
+}
+
+impl<S, N> FormatEvent<S, N> for KubernetesFormat
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let meta = event.metadata();
+        let file = meta
+            .file()
+            .map_or("?", |path| path.rsplit('/').next().unwrap_or(path));
+        let line = meta.line().unwrap_or(0);
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        // The fields of the spans the event is in, outermost first, as
+        // logr's WithValues context.
+        let mut context = String::new();
+        if let Some(scope) = ctx.event_scope() {
+            for span in scope.from_root() {
+                if let Some(formatted) = span.extensions().get::<FormattedFields<N>>()
+                    && !formatted.is_empty()
+                {
+                    context.push(' ');
+                    context.push_str(formatted);
+                }
+            }
+        }
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        match self.format {
+            LogFormat::Text => {
+                let severity = match *meta.level() {
+                    Level::ERROR => 'E',
+                    Level::WARN => 'W',
+                    _ => 'I',
+                };
+                let civil = Civil::from_unix(now.as_secs());
+                write!(
+                    writer,
+                    "{severity}{:02}{:02} {:02}:{:02}:{:02}.{:06} {:>7} {file}:{line}] ",
+                    civil.month,
+                    civil.day,
+                    civil.hour,
+                    civil.minute,
+                    civil.second,
+                    now.subsec_micros(),
+                    self.pid,
+                )?;
+                write_quoted(&mut writer, &fields.message)?;
+                for (key, value) in &fields.values {
+                    write!(writer, " {key}=")?;
+                    match value {
+                        Value::Raw(raw) => writer.write_str(raw)?,
+                        Value::Text(text) => write_quoted(&mut writer, text)?,
+                    }
+                }
+                writeln!(writer, "{context}")
+            }
+            LogFormat::Json => {
+                let mut object = serde_json::Map::new();
+                object.insert("ts".into(), serde_json::json!(now.as_secs_f64()));
+                object.insert("caller".into(), format!("{file}:{line}").into());
+                object.insert("msg".into(), fields.message.into());
+                let verbosity = match *meta.level() {
+                    Level::ERROR | Level::WARN | Level::INFO => 0,
+                    Level::DEBUG => 2,
+                    Level::TRACE => 5,
+                };
+                object.insert("v".into(), verbosity.into());
+                if *meta.level() == Level::WARN {
+                    object.insert("level".into(), "warning".into());
+                }
+                for (key, value) in fields.values {
+                    let key = if key == "error" { "err" } else { key };
+                    let value = match value {
+                        Value::Raw(raw) => {
+                            serde_json::from_str(&raw).unwrap_or(serde_json::Value::String(raw))
+                        }
+                        Value::Text(text) => text.into(),
+                    };
+                    object.insert(key.to_owned(), value);
+                }
+                if !context.is_empty() {
+                    object.insert("context".into(), context.trim_start().into());
+                }
+                writeln!(writer, "{}", serde_json::Value::Object(object))
+            }
+        }
+    }
+}
+
+/// A field's value: numbers and booleans as they are, the rest as text.
+enum Value {
+    Raw(String),
+    Text(String),
+}
+
+#[derive(Default)]
+struct Fields {
+    message: String,
+    values: Vec<(&'static str, Value)>,
+}
+
+impl Visit for Fields {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.text(field, value.to_owned());
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        self.text(field, format!("{value:?}"));
+    }
+
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        self.text(field, crate::error_chain(value));
+    }
+
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.values.push((field.name(), Value::Raw(value.to_string())));
+    }
+
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.values.push((field.name(), Value::Raw(value.to_string())));
+    }
+
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        self.values.push((field.name(), Value::Raw(value.to_string())));
+    }
+
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.values.push((field.name(), Value::Raw(value.to_string())));
+    }
+}
+
+impl Fields {
+    fn text(&mut self, field: &Field, text: String) {
+        if field.name() == "message" {
+            self.message = text;
+        } else {
+            self.values.push((field.name(), Value::Text(text)));
+        }
+    }
+}
+
+/// A string quoted as klog quotes values (Go's `%q`: backslash escapes for
+/// quotes, backslashes and control characters).
+fn write_quoted(writer: &mut impl fmt::Write, text: &str) -> fmt::Result {
+    writer.write_char('"')?;
+    for c in text.chars() {
+        match c {
+            '"' => writer.write_str("\\\"")?,
+            '\\' => writer.write_str("\\\\")?,
+            '\n' => writer.write_str("\\n")?,
+            '\r' => writer.write_str("\\r")?,
+            '\t' => writer.write_str("\\t")?,
+            c if c.is_control() => write!(writer, "\\u{:04x}", c as u32)?,
+            c => writer.write_char(c)?,
+        }
+    }
+    writer.write_char('"')
+}
+
+/// A UTC date and time of day.
+#[derive(Debug, PartialEq, Eq)]
+struct Civil {
+    year: i64,
+    month: u32,
+    day: u32,
+    hour: u64,
+    minute: u64,
+    second: u64,
+}
+
+impl Civil {
+    /// Howard Hinnant's days-to-civil algorithm (proleptic Gregorian).
+    fn from_unix(seconds: u64) -> Civil {
+        let days = (seconds / 86_400) as i64 + 719_468;
+        let era = days.div_euclid(146_097);
+        let day_of_era = days.rem_euclid(146_097);
+        let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+        let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+        let month_index = (5 * day_of_year + 2) / 153;
+        let day = (day_of_year - (153 * month_index + 2) / 5 + 1) as u32;
+        let month = if month_index < 10 {
+            month_index + 3
+        } else {
+            month_index - 9
+        } as u32;
+        let year = year_of_era + era * 400 + i64::from(month <= 2);
+        let time = seconds % 86_400;
+        Civil {
+            year,
+            month,
+            day,
+            hour: time / 3600,
+            minute: time % 3600 / 60,
+            second: time % 60,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates_match_known_instants() {
+        assert_eq!(
+            Civil::from_unix(0),
+            Civil {
+                year: 1970,
+                month: 1,
+                day: 1,
+                hour: 0,
+                minute: 0,
+                second: 0
+            }
+        );
+        // 2026-12-03T07:44:04Z and a leap day.
+        let civil = Civil::from_unix(1_796_283_844);
+        assert_eq!((civil.year, civil.month, civil.day), (2026, 12, 3));
+        assert_eq!((civil.hour, civil.minute, civil.second), (7, 44, 4));
+        let leap = Civil::from_unix(951_782_400);
+        assert_eq!((leap.year, leap.month, leap.day), (2000, 2, 29));
+    }
+
+    #[test]
+    fn values_are_quoted_as_go_quotes_them() {
+        let mut out = String::new();
+        write_quoted(&mut out, "a \"b\"\\c\nd\u{1}").unwrap();
+        assert_eq!(out, r#""a \"b\"\\c\nd\u0001""#);
+    }
 }
