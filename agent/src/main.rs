@@ -74,5 +74,14 @@ fn main() -> anyhow::Result<()> {
             Err(error) => tracing::warn!(%error, "could not remove the capture rules"),
         }
     }
-    result
+    if let Err(error) = result {
+        // Everything run() returns stops it from starting (the health
+        // listener, a certificate, the capture rules): one line, status 2,
+        // as for a bad flag.
+        let text = konnectivity_plumbing::error_chain(error.as_ref());
+        tracing::error!(error = %text, "proxy-agent stopped");
+        eprintln!("proxy-agent: {text}");
+        std::process::exit(2);
+    }
+    Ok(())
 }

@@ -151,9 +151,14 @@ pub async fn serve(
                     }
                 }
             }
-            Err(error) => {
-                tracing::warn!(error = %konnectivity_plumbing::error_chain(&error), "cannot connect to proxy-server")
-            }
+            Err(error) => match konnectivity_plumbing::tls::explain_handshake_failure(&error) {
+                Some(problem) => {
+                    tracing::warn!(%problem, host = %target.host, port = target.port, "cannot connect to proxy-server: TLS refused")
+                }
+                None => {
+                    tracing::warn!(error = %konnectivity_plumbing::error_chain(&error), "cannot connect to proxy-server")
+                }
+            },
         }
         tokio::time::sleep(backoff.next_delay()).await;
     }

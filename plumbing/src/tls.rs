@@ -62,6 +62,12 @@ pub enum TlsError {
         key_flag: &'static str,
         source: rustls::Error,
     },
+    #[error("--{flag} {path}: {problem}")]
+    Unsupported {
+        flag: &'static str,
+        path: PathBuf,
+        problem: String,
+    },
     #[error("loading the system's trusted certificates: {0}")]
     SystemRoots(String),
 }
@@ -128,14 +134,119 @@ impl Identity {
     }
 }
 
-/// The certificate chain and private key of an identity.
+/// The certificate chain and private key of an identity, refusing at once,
+/// with the fix, a chain rustls could not use although Go would.
 fn load_identity(
     identity: &Identity,
 ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), TlsError> {
-    Ok((
-        load_certificates(&identity.cert)?,
-        load_private_key(&identity.key)?,
-    ))
+    let certs = load_certificates(&identity.cert)?;
+    for cert in &certs {
+        if let Some(problem) = unsupported_shape(cert) {
+            return Err(TlsError::Unsupported {
+                flag: identity.cert.flag,
+                path: identity.cert.path.clone(),
+                problem,
+            });
+        }
+    }
+    Ok((certs, load_private_key(&identity.key)?))
+}
+
+/// How to re-issue a certificate as X.509 v3, for messages.
+const REISSUE_V3: &str = "re-issue it as X.509 v3 with extensions \
+     (e.g. openssl x509 -req … -extfile FILE, FILE holding basicConstraints and extendedKeyUsage lines)";
+
+/// What about a certificate Go's crypto/x509 accepts and rustls (webpki,
+/// ring) refuses: an X.509 v1 certificate (no extensions), an RSA key under
+/// 2048 bits, an ECDSA key on P-521. (A v1 CA certificate is fine as a
+/// trust anchor: webpki takes anchors of any version.)
+pub fn unsupported_shape(der: &[u8]) -> Option<String> {
+    use x509_parser::public_key::PublicKey;
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let subject = cert.subject().to_string();
+    if cert.version() != x509_parser::x509::X509Version::V3 {
+        return Some(format!(
+            "certificate {subject:?} is X.509 v{}, which rustls refuses (Go accepts it): {REISSUE_V3}",
+            cert.version().0 + 1
+        ));
+    }
+    match cert.public_key().parsed() {
+        Ok(PublicKey::RSA(rsa)) if rsa.key_size() < 2048 => Some(format!(
+            "certificate {subject:?} has a {}-bit RSA key; rustls needs at least 2048 bits (Go accepts less): \
+             re-issue it with a larger key",
+            rsa.key_size()
+        )),
+        Ok(PublicKey::EC(_))
+            if cert
+                .public_key()
+                .algorithm
+                .parameters
+                .as_ref()
+                .and_then(|curve| curve.as_oid().ok())
+                .is_some_and(|curve| curve.to_id_string() == "1.3.132.0.35") =>
+        {
+            Some(format!(
+                "certificate {subject:?} has an ECDSA P-521 key, which rustls does not support (P-256 and P-384 it does): \
+                 re-issue it with one of those"
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// What an operator should know about a failed TLS handshake, when the
+/// failure is about certificates (the rest, such as port scanners and
+/// clients that hang up, is routine): the problem and its fix.
+pub fn explain_handshake_failure(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    use rustls::{CertificateError, Error as Rustls};
+    let mut source = Some(error);
+    while let Some(error) = source {
+        let rustls_error = error.downcast_ref::<Rustls>().or_else(|| {
+            error
+                .downcast_ref::<io::Error>()?
+                .get_ref()?
+                .downcast_ref::<Rustls>()
+        });
+        if let Some(rustls_error) = rustls_error {
+            return match rustls_error {
+                Rustls::InvalidCertificate(CertificateError::Other(other))
+                    if other.0.downcast_ref::<webpki::Error>() == Some(&webpki::Error::UnsupportedCertVersion) =>
+                {
+                    Some(format!(
+                        "the peer's certificate is X.509 v1, which rustls refuses (Go accepts it): {REISSUE_V3}"
+                    ))
+                }
+                Rustls::InvalidCertificate(problem) => Some(format!("the peer's certificate was refused: {problem:?}")),
+                Rustls::NoCertificatesPresented => Some(
+                    "the peer sent no client certificate: it needs one signed by the CA this listener trusts \
+                     (Go clients also send none when their key is of a type this side does not offer: \
+                     ECDSA P-521, RSA under 2048 bits)"
+                        .to_owned(),
+                ),
+                Rustls::PeerIncompatible(problem) => Some(format!("the peer's TLS is incompatible: {problem:?}")),
+                _ => None,
+            };
+        }
+        source = error.source();
+    }
+    None
+}
+
+/// Peers already warned about, so a peer retrying every second is named
+/// once, not every time; forgotten wholesale past a bound.
+#[derive(Default)]
+struct WarnedPeers(std::sync::Mutex<std::collections::HashSet<std::net::IpAddr>>);
+
+impl WarnedPeers {
+    const BOUND: usize = 4096;
+
+    fn first_time(&self, peer: std::net::IpAddr) -> bool {
+        let mut warned = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if warned.len() >= Self::BOUND {
+            warned.clear();
+        }
+        warned.insert(peer)
+    }
 }
 
 /// Server-side TLS. With `client_ca`, every client must present a certificate
@@ -239,6 +350,7 @@ pub fn accept_tls(
     what: &'static str,
 ) -> mpsc::Receiver<TlsStream<TcpStream>> {
     let (tx, rx) = mpsc::channel(64);
+    let warned = Arc::new(WarnedPeers::default());
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = match listener.accept().await {
@@ -256,14 +368,21 @@ pub fn accept_tls(
             }
             let acceptor = acceptor.clone();
             let tx = tx.clone();
+            let warned = warned.clone();
             tokio::spawn(async move {
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(stream)) => {
                         let _ = tx.send(stream).await;
                     }
-                    Ok(Err(error)) => {
-                        tracing::info!(%peer, %error, listener = what, "TLS handshake failed")
-                    }
+                    Ok(Err(error)) => match explain_handshake_failure(&error) {
+                        Some(problem) if warned.first_time(peer.ip()) => {
+                            tracing::warn!(%peer, listener = what, %problem, "TLS handshake refused (logged once per peer address)")
+                        }
+                        Some(problem) => {
+                            tracing::debug!(%peer, listener = what, %problem, "TLS handshake refused")
+                        }
+                        None => tracing::info!(%peer, %error, listener = what, "TLS handshake failed"),
+                    },
                     Err(_) => tracing::info!(%peer, listener = what, "TLS handshake timed out"),
                 }
             });

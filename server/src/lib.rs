@@ -59,6 +59,17 @@ pub enum ServeError {
     FrontendServer(tonic::transport::Error),
 }
 
+impl ServeError {
+    /// Whether the server could not start (what an operator fixes in the
+    /// manifest), rather than failing while it ran.
+    pub fn at_start_up(&self) -> bool {
+        matches!(
+            self,
+            ServeError::Bind { .. } | ServeError::Tls(_) | ServeError::Config(_)
+        )
+    }
+}
+
 async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
     TcpListener::bind(addr).await.map_err(|source| ServeError::Bind {
         what,

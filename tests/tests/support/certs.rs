@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    SigningKey,
 };
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
@@ -36,6 +37,10 @@ pub struct Pki {
     /// The kube-apiserver stand-in: SANs the service VIPs 10.96.0.1 and
     /// fd00:96::1, the private endpoint 10.222.1.10 and kubernetes.default.
     pub kas: CertFiles,
+    /// A client certificate from the trusted CA in X.509 v1 form (no
+    /// extensions), as `openssl x509 -req` without `-extfile` makes them:
+    /// Go accepts it, rustls does not.
+    pub v1_client: CertFiles,
 }
 
 fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -65,6 +70,101 @@ fn leaf(
     std::fs::write(&files.cert, cert.pem()).unwrap();
     std::fs::write(&files.key, key.serialize_pem()).unwrap();
     files
+}
+
+/// A leaf certificate in X.509 v1 form, signed by `issuer`: rcgen writes
+/// only v3, so its TBSCertificate is taken apart, the `[0] version` and
+/// `[3] extensions` fields are left out (which makes it v1, the DEFAULT
+/// version) and the result is signed again.
+fn v1_leaf(dir: &Path, name: &str, issuer: &CertifiedIssuer<'static, KeyPair>) -> CertFiles {
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.distinguished_name.push(DnType::CommonName, name);
+    let v3 = params.signed_by(&key, issuer).unwrap();
+    let [tbs, algorithm, _signature] = der::elements(der::content(v3.der())).try_into().unwrap();
+    let fields: Vec<&[u8]> = der::elements(der::content(tbs))
+        .into_iter()
+        .filter(|field| field[0] != 0xa0 && field[0] != 0xa3)
+        .collect();
+    let tbs = der::encode(0x30, &fields.concat());
+    let signature = [&[0u8][..], &issuer.key().sign(&tbs).unwrap()].concat();
+    let cert = der::encode(
+        0x30,
+        &[&tbs[..], algorithm, &der::encode(0x03, &signature)].concat(),
+    );
+    let files = CertFiles {
+        cert: dir.join(format!("{name}.crt")),
+        key: dir.join(format!("{name}.key")),
+    };
+    std::fs::write(&files.cert, pem_certificate(&cert)).unwrap();
+    std::fs::write(&files.key, key.serialize_pem()).unwrap();
+    files
+}
+
+/// PEM text of a DER certificate.
+fn pem_certificate(der: &[u8]) -> String {
+    use base64::Engine;
+    let body = base64::engine::general_purpose::STANDARD.encode(der);
+    let lines: Vec<&str> = body
+        .as_bytes()
+        .chunks(64)
+        .map(|l| std::str::from_utf8(l).unwrap())
+        .collect();
+    format!(
+        "-----BEGIN CERTIFICATE-----\n{}\n-----END CERTIFICATE-----\n",
+        lines.join("\n")
+    )
+}
+
+/// Just enough DER for [`v1_leaf`]: definite lengths, one-byte tags.
+mod der {
+    /// The header length and content length of the element at the start of `bytes`.
+    fn header(bytes: &[u8]) -> (usize, usize) {
+        match bytes[1] {
+            short @ 0..=0x7f => (2, usize::from(short)),
+            long => {
+                let count = usize::from(long & 0x7f);
+                let length = bytes[2..2 + count]
+                    .iter()
+                    .fold(0, |n, &b| n << 8 | usize::from(b));
+                (2 + count, length)
+            }
+        }
+    }
+
+    /// The content of one element.
+    pub fn content(element: &[u8]) -> &[u8] {
+        let (header, length) = header(element);
+        &element[header..header + length]
+    }
+
+    /// The whole elements (header and content) one after another in `bytes`.
+    pub fn elements(mut bytes: &[u8]) -> Vec<&[u8]> {
+        let mut elements = Vec::new();
+        while !bytes.is_empty() {
+            let (header, length) = header(bytes);
+            let (element, rest) = bytes.split_at(header + length);
+            elements.push(element);
+            bytes = rest;
+        }
+        elements
+    }
+
+    /// An element with `tag` around `content`.
+    pub fn encode(tag: u8, content: &[u8]) -> Vec<u8> {
+        let mut element = vec![tag];
+        match content.len() {
+            short @ 0..=0x7f => element.push(short as u8),
+            long => {
+                let bytes = long.to_be_bytes();
+                let significant = &bytes[bytes.iter().position(|&b| b != 0).unwrap()..];
+                element.push(0x80 | significant.len() as u8);
+                element.extend_from_slice(significant);
+            }
+        }
+        element.extend_from_slice(content);
+        element
+    }
 }
 
 impl Pki {
@@ -122,6 +222,7 @@ impl Pki {
                 ExtendedKeyUsagePurpose::ServerAuth,
                 &authority,
             ),
+            v1_client: v1_leaf(dir, "v1-client", &authority),
             node_ca,
         }
     }
