@@ -2,6 +2,8 @@
 //! the two tasks that move their bytes.
 
 use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -92,6 +94,13 @@ pub struct EndpointClosed {
     pub error: Option<String>,
 }
 
+/// Bytes through one tunnel, each way.
+#[derive(Debug, Default)]
+pub struct TunnelBytes {
+    pub to_target: AtomicU64,
+    pub from_target: AtomicU64,
+}
+
 /// What an endpoint's two tasks need of their session's stream.
 #[derive(Clone)]
 pub struct StreamHandle {
@@ -100,6 +109,7 @@ pub struct StreamHandle {
     pub outbound: mpsc::Sender<Packet>,
     /// Where the end of the connection is reported.
     pub closed: mpsc::Sender<EndpointClosed>,
+    pub bytes: Arc<TunnelBytes>,
 }
 
 impl StreamHandle {
@@ -122,7 +132,8 @@ pub async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream:
         let mut buf = BytesMut::with_capacity(DATA_CHUNK);
         match read.try_read_buf(&mut buf) {
             Ok(0) => break None,
-            Ok(_) => {
+            Ok(read) => {
+                stream.bytes.from_target.fetch_add(read as u64, Ordering::Relaxed);
                 let data = buf.freeze();
                 if window.reserve(data.len()).await.is_err() {
                     return;
@@ -153,6 +164,10 @@ pub async fn pump_to_endpoint(
             stream.report_closed(Some(error.to_string())).await;
             return;
         }
+        stream
+            .bytes
+            .to_target
+            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
         if let Some(bytes) = credit.consumed(chunk.len()) {
             let connect_id = stream.connect_id;
             let update = Frame::WindowUpdate { connect_id, bytes }.into();

@@ -57,6 +57,7 @@ pub struct AgentMetrics {
     captured: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
     server_failures: Family<Labels, GoCounter>,
+    tunnels_ended: Family<Labels, GoCounter>,
     packets: PacketCounters,
     pub stream_errors: StreamErrors,
 }
@@ -74,6 +75,7 @@ impl Default for AgentMetrics {
             captured: Family::default(),
             dial_failures: Family::default(),
             server_failures: Family::default(),
+            tunnels_ended: Family::default(),
             packets: PacketCounters::default(),
             stream_errors: StreamErrors::default(),
         };
@@ -118,6 +120,12 @@ impl Default for AgentMetrics {
             metrics.packets = PacketCounters::register(registry, Segment::AGENT);
             metrics.stream_errors = StreamErrors::register(registry);
             // Ours.
+            register(
+                registry,
+                "tunnels_ended_total",
+                "Tunnels ended, by reason: who or what ended them, before or after they were established (docs/metrics.md).",
+                metrics.tunnels_ended.clone(),
+            );
             register(
                 registry,
                 "captured_connections_open",
@@ -165,6 +173,11 @@ impl AgentMetrics {
         self.server_failures
             .get_or_create(&vec![("direction", direction)])
             .inc();
+    }
+
+    /// A tunnel ended, for the reason labelled so (session::TunnelEnd).
+    pub fn tunnel_ended(&self, reason: &'static str) {
+        self.tunnels_ended.get_or_create(&vec![("reason", reason)]).inc();
     }
 
     pub fn dial_failed(&self, reason: DialFailure) {

@@ -128,22 +128,28 @@ pub async fn serve(
                     let open = GaugeGuard::new(&metrics.open_server_connections);
                     let reports = report_tx.clone();
                     let id = server_id.clone();
-                    let task = tokio::spawn(async move {
-                        let _open = open;
-                        let reason = tokio::select! {
-                            reason = run => reason,
-                            failure = watch_server(probe, &reports) => failure,
-                        };
-                        match &reason {
-                            StreamEnd::ServerWentAway(_) => {
-                                tracing::info!(server_id = %id, %reason, "proxy-server stream ended; reconnecting")
+                    // The server's id on every line the session logs, so
+                    // that its tunnels line up with that server's logs.
+                    let span = tracing::info_span!("server stream", server_id = %id);
+                    let task = tokio::spawn(tracing::Instrument::instrument(
+                        async move {
+                            let _open = open;
+                            let reason = tokio::select! {
+                                reason = run => reason,
+                                failure = watch_server(probe, &reports) => failure,
+                            };
+                            match &reason {
+                                StreamEnd::ServerWentAway(_) => {
+                                    tracing::info!(%reason, "proxy-server stream ended; reconnecting")
+                                }
+                                StreamEnd::Failed(_) => {
+                                    tracing::warn!(%reason, "lost proxy-server stream")
+                                }
                             }
-                            StreamEnd::Failed(_) => {
-                                tracing::warn!(server_id = %id, %reason, "lost proxy-server stream")
-                            }
-                        }
-                        let _ = reports.send(Report::Ended(id));
-                    });
+                            let _ = reports.send(Report::Ended(id));
+                        },
+                        span,
+                    ));
                     held.insert(server_id, SessionTask(task));
                     backoff.reset();
                     if held.len() >= wanted {

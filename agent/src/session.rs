@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use konnectivity_plumbing::limit::{Limit, Slot};
@@ -14,8 +15,82 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
-use crate::endpoint::{self, DialError, EndpointClosed};
+use crate::endpoint::{self, DialError, EndpointClosed, TunnelBytes};
 use crate::metrics::{AgentMetrics, Segment, ServerDirection};
+
+/// Why a tunnel ended on this agent, and so who ended it: counted by
+/// `tunnels_ended_total{reason}` and logged at -v=2. Every DIAL_REQ ends
+/// exactly once, established or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TunnelEnd {
+    /// The target could not be dialed (refused, timed out, no such host),
+    /// or the request itself was not valid.
+    DialFailed,
+    /// `--max-endpoint-connections` was reached.
+    Limit,
+    /// The server cancelled the dial (DIAL_CLS): its client gave up.
+    DialCancelled,
+    /// The server closed it (CLOSE_REQ): the client's side ended.
+    ServerClosed,
+    /// The target closed its connection.
+    TargetClosed,
+    /// The target's connection failed (a reset, say).
+    TargetError,
+    /// The server sent more than the connection's window allowed.
+    ProtocolError,
+    /// The stream to the server ended: the server went away, or this agent stopped.
+    ServerGone,
+}
+
+impl TunnelEnd {
+    pub fn label(self) -> &'static str {
+        match self {
+            TunnelEnd::DialFailed => "dial_failed",
+            TunnelEnd::Limit => "limit",
+            TunnelEnd::DialCancelled => "dial_cancelled",
+            TunnelEnd::ServerClosed => "server_closed",
+            TunnelEnd::TargetClosed => "target_closed",
+            TunnelEnd::TargetError => "target_error",
+            TunnelEnd::ProtocolError => "protocol_error",
+            TunnelEnd::ServerGone => "server_gone",
+        }
+    }
+}
+
+/// An established tunnel from dial to end, for its closing log line and
+/// `tunnels_ended_total`; `end` is set by whoever removes it from the
+/// table, and stays `ServerGone` when the session drops it.
+struct TunnelLife {
+    connect_id: ConnectId,
+    dial_id: DialId,
+    destination: String,
+    started: Instant,
+    bytes: Arc<TunnelBytes>,
+    metrics: Arc<AgentMetrics>,
+    end: TunnelEnd,
+}
+
+impl Drop for TunnelLife {
+    fn drop(&mut self) {
+        self.metrics.tunnel_ended(self.end.label());
+        tracing::debug!(
+            connect_id = %self.connect_id,
+            dial_id = %self.dial_id,
+            destination = %self.destination,
+            reason = self.end.label(),
+            bytes_to_target = self.bytes.to_target.load(Ordering::Relaxed),
+            bytes_from_target = self.bytes.from_target.load(Ordering::Relaxed),
+            duration = ?self.started.elapsed(),
+            "tunnel closed"
+        );
+    }
+}
+
+/// A tunnel that ended before it was established.
+fn ended_before_established(metrics: &AgentMetrics, dial_id: DialId, destination: &str, reason: TunnelEnd) {
+    metrics.tunnel_ended(reason.label());
+    tracing::debug!(%dial_id, destination, reason = reason.label(), "tunnel ended before it was established");
+}
 
 /// Settings a session needs from the agent's configuration.
 #[derive(Clone, Debug)]
@@ -34,6 +109,7 @@ struct Endpoint {
     receive_gate: ReceiveGate,
     send_window: SendWindow,
     reader: AbortHandle,
+    life: TunnelLife,
     _gauge: GaugeGuard,
     _slot: Option<Slot>,
 }
@@ -49,6 +125,7 @@ impl Drop for Endpoint {
 
 struct Dialed {
     dial_id: DialId,
+    address: String,
     result: Result<TcpStream, DialError>,
     /// The connection's slot under --max-endpoint-connections.
     slot: Option<Slot>,
@@ -61,7 +138,8 @@ struct Session {
     /// The server agreed to per-connection flow control.
     flow_control: bool,
     next_connect_id: ConnectId,
-    dials: HashMap<DialId, AbortHandle>,
+    /// Pending dials, with their destinations.
+    dials: HashMap<DialId, (AbortHandle, String)>,
     endpoints: HashMap<ConnectId, Endpoint>,
     dialed_tx: mpsc::Sender<Dialed>,
     closed_tx: mpsc::Sender<EndpointClosed>,
@@ -185,8 +263,9 @@ where
             break StreamEnd::Failed("sending to the server failed (outbound queue closed)".to_owned());
         }
     };
-    for (_, dial) in session.dials.drain() {
+    for (dial_id, (dial, address)) in session.dials.drain() {
         dial.abort();
+        ended_before_established(&session.metrics, dial_id, &address, TunnelEnd::ServerGone);
     }
     reason
 }
@@ -226,15 +305,16 @@ impl Session {
                 dial_id,
             } => self.on_dial_request(protocol, address, dial_id).await?,
             Frame::CloseRequest { connect_id } => {
-                let error = match self.endpoints.remove(&connect_id) {
-                    Some(_) => None,
-                    None => Some(format!("unknown connectID {connect_id}")),
+                let error = match self.end_endpoint(connect_id, TunnelEnd::ServerClosed) {
+                    true => None,
+                    false => Some(format!("unknown connectID {connect_id}")),
                 };
                 self.send(Frame::CloseResponse { connect_id, error }).await?;
             }
             Frame::CloseDial { dial_id } => {
-                if let Some(dial) = self.dials.remove(&dial_id) {
+                if let Some((dial, address)) = self.dials.remove(&dial_id) {
                     dial.abort();
+                    ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::DialCancelled);
                 }
             }
             unexpected => {
@@ -275,7 +355,7 @@ impl Session {
                     tonic::Code::ResourceExhausted,
                     Some(konnectivity_proto::PacketType::Data),
                 );
-                self.endpoints.remove(&connect_id);
+                self.end_endpoint(connect_id, TunnelEnd::ProtocolError);
                 self.send(Frame::CloseResponse {
                     connect_id,
                     error: Some(overrun.to_string()),
@@ -291,7 +371,9 @@ impl Session {
         address: String,
         dial_id: DialId,
     ) -> Result<(), StreamGone> {
+        tracing::debug!(%dial_id, destination = %address, "dial requested");
         if protocol != "tcp" {
+            ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::DialFailed);
             return self
                 .send(Frame::DialResponse {
                     dial_id,
@@ -302,6 +384,7 @@ impl Session {
                 .await;
         }
         if self.dials.contains_key(&dial_id) {
+            ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::DialFailed);
             return self
                 .send(Frame::DialResponse {
                     dial_id,
@@ -319,6 +402,7 @@ impl Session {
             Some(Err(refused)) => {
                 self.metrics.dial_failed(crate::metrics::DialFailure::Limit);
                 tracing::warn!(%address, error = %refused, "dial refused");
+                ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::Limit);
                 return self
                     .send(Frame::DialResponse {
                         dial_id,
@@ -334,17 +418,19 @@ impl Session {
         let mark = self.settings.mark;
         let metrics = self.metrics.clone();
         let dialed = self.dialed_tx.clone();
+        let destination = address.clone();
         let task = tokio::spawn(async move {
             let result = endpoint::dial(&address, timeout, mark, &metrics).await;
             let _ = dialed
                 .send(Dialed {
                     dial_id,
+                    address,
                     result,
                     slot,
                 })
                 .await;
         });
-        self.dials.insert(dial_id, task.abort_handle());
+        self.dials.insert(dial_id, (task.abort_handle(), destination));
         Ok(())
     }
 
@@ -356,6 +442,13 @@ impl Session {
         let stream = match dialed.result {
             Ok(stream) => stream,
             Err(DialError(error)) => {
+                tracing::debug!(dial_id = %dialed.dial_id, destination = %dialed.address, %error, "dial failed");
+                ended_before_established(
+                    &self.metrics,
+                    dialed.dial_id,
+                    &dialed.address,
+                    TunnelEnd::DialFailed,
+                );
                 return self
                     .send(Frame::DialResponse {
                         dial_id: dialed.dial_id,
@@ -367,11 +460,21 @@ impl Session {
         let connect_id = self.next_connect_id;
         self.next_connect_id = connect_id.next();
         // DIAL_RSP goes out before the reader can queue any DATA.
-        self.send(Frame::DialResponse {
+        let answer = Frame::DialResponse {
             dial_id: dialed.dial_id,
             result: Ok(connect_id),
-        })
-        .await?;
+        };
+        if let Err(gone) = self.send(answer).await {
+            ended_before_established(
+                &self.metrics,
+                dialed.dial_id,
+                &dialed.address,
+                TunnelEnd::ServerGone,
+            );
+            return Err(gone);
+        }
+        tracing::debug!(%connect_id, dial_id = %dialed.dial_id, destination = %dialed.address, "tunnel established");
+        let bytes = Arc::new(TunnelBytes::default());
         let (read, write) = stream.into_split();
         let (to_endpoint, from_server) = mpsc::unbounded_channel();
         let (receive_gate, receive_credit) = flow::receive_window(self.flow_control);
@@ -380,6 +483,7 @@ impl Session {
             connect_id,
             outbound: self.outbound.clone(),
             closed: self.closed_tx.clone(),
+            bytes: bytes.clone(),
         };
         tokio::spawn(endpoint::pump_to_endpoint(
             write,
@@ -395,6 +499,15 @@ impl Session {
                 receive_gate,
                 send_window,
                 reader: reader.abort_handle(),
+                life: TunnelLife {
+                    connect_id,
+                    dial_id: dialed.dial_id,
+                    destination: dialed.address,
+                    started: Instant::now(),
+                    bytes,
+                    metrics: self.metrics.clone(),
+                    end: TunnelEnd::ServerGone,
+                },
                 _gauge: GaugeGuard::new(&self.metrics.open_endpoint_connections),
                 _slot: dialed.slot,
             },
@@ -402,9 +515,24 @@ impl Session {
         Ok(())
     }
 
+    /// Removes an endpoint from the table because of `reason`; whether it was there.
+    fn end_endpoint(&mut self, connect_id: ConnectId, reason: TunnelEnd) -> bool {
+        match self.endpoints.remove(&connect_id) {
+            Some(mut endpoint) => {
+                endpoint.life.end = reason;
+                true
+            }
+            None => false,
+        }
+    }
+
     async fn on_endpoint_closed(&mut self, closed: EndpointClosed) -> Result<(), StreamGone> {
         // Only the first report counts; after a CLOSE_REQ the server needs none.
-        if self.endpoints.remove(&closed.connect_id).is_some() {
+        let reason = match closed.error {
+            None => TunnelEnd::TargetClosed,
+            Some(_) => TunnelEnd::TargetError,
+        };
+        if self.end_endpoint(closed.connect_id, reason) {
             if let Some(error) = &closed.error {
                 tracing::debug!(connect_id = %closed.connect_id, %error, "endpoint connection failed");
             }

@@ -120,7 +120,6 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         registry: registry.clone(),
         metrics: metrics.clone(),
     });
-    let health_task = tokio::spawn(konnectivity_plumbing::http::serve(health, endpoints));
 
     let agent_listener = bind_tcp("agent listener (--agent-port)", config.agent_addr).await?;
     let agent_tls = tls::server_config(
@@ -246,6 +245,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             tokio::spawn(grpc_frontend(dialer, frontend_keepalive).serve_with_incoming(incoming))
         }
     };
+    // Health is served once every listener is bound: /healthz (or a
+    // readiness probe) must not answer before clients can connect.
+    let health_task = tokio::spawn(konnectivity_plumbing::http::serve(health, endpoints));
     tracing::info!(
         server_id = %config.server_id,
         agent_addr = %config.agent_addr,

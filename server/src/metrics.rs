@@ -74,6 +74,7 @@ pub struct ServerMetrics {
     grpc_connections: Family<Labels, Gauge>,
     /// Ours: requests refused by --max-tunnels-per-frontend, by frontend.
     limit_refusals: Family<Labels, GoCounter>,
+    tunnels_ended: Family<Labels, GoCounter>,
     /// Ours: CONNECT requests refused before any dial, by HTTP status.
     connect_rejections: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
@@ -103,6 +104,7 @@ impl Default for ServerMetrics {
             alive_tasks: Gauge::default(),
             grpc_connections: Family::default(),
             limit_refusals: Family::default(),
+            tunnels_ended: Family::default(),
             connect_rejections: Family::default(),
             dial_failures: Family::default(),
             culled_leases: GoCounter::default(),
@@ -195,6 +197,12 @@ impl Default for ServerMetrics {
             );
             register(
                 registry,
+                "tunnels_ended_total",
+                "Tunnels ended, by reason: who or what ended them, before or after they were established (docs/metrics.md).",
+                metrics.tunnels_ended.clone(),
+            );
+            register(
+                registry,
                 "tunnel_limit_refusals_total",
                 "Tunnels refused by --max-tunnels-per-frontend, by frontend.",
                 metrics.limit_refusals.clone(),
@@ -267,6 +275,12 @@ impl ServerMetrics {
         };
         self.connect_rejections
             .get_or_create(&vec![("status", status)])
+            .inc();
+    }
+
+    pub fn tunnel_ended(&self, reason: crate::tunnel::TunnelEnd) {
+        self.tunnels_ended
+            .get_or_create(&vec![("reason", reason.label())])
             .inc();
     }
 

@@ -3,7 +3,8 @@
 //! share this one path.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use konnectivity_proto::flow::{self, ReceiveCredit, SendWindow};
@@ -36,6 +37,18 @@ pub enum DialError {
 }
 
 impl DialError {
+    /// How the tunnel that asked for this dial ended.
+    pub fn end(&self) -> TunnelEnd {
+        match self {
+            DialError::NoBackend => TunnelEnd::NoAgent,
+            DialError::Policy(_) => TunnelEnd::Policy,
+            DialError::Agent(_) => TunnelEnd::DialFailed,
+            DialError::Timeout(_) => TunnelEnd::DialTimeout,
+            DialError::BackendGone => TunnelEnd::AgentGone,
+            DialError::Limit(_) => TunnelEnd::Limit,
+        }
+    }
+
     /// The HTTP status upstream's CONNECT frontend answers this error with.
     pub fn http_status(&self) -> u16 {
         match self {
@@ -58,6 +71,133 @@ impl DialError {
     }
 }
 
+/// Why a tunnel ended, and so who ended it: counted by
+/// `tunnels_ended_total{reason}` and logged at -v=2. Every dial a frontend
+/// asks for ends exactly once, established or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TunnelEnd {
+    /// No agent could take the dial.
+    NoAgent,
+    /// A node client asked for a destination it may not reach.
+    Policy,
+    /// `--max-tunnels-per-frontend` was reached.
+    Limit,
+    /// No DIAL_RSP within `--backend-dial-timeout`.
+    DialTimeout,
+    /// The agent could not reach the target (its error reaches the client).
+    DialFailed,
+    /// The client gave up before the dial was answered.
+    DialCancelled,
+    /// The client ended it: end of stream, CLOSE_REQ.
+    ClientClosed,
+    /// The client's connection failed, or it broke the protocol.
+    ClientError,
+    /// The target closed its connection.
+    TargetClosed,
+    /// The agent reported the target's connection failed (a reset, say).
+    TargetError,
+    /// The agent's stream to this server ended.
+    AgentGone,
+    /// The server stopped while the tunnel was open.
+    Shutdown,
+}
+
+impl TunnelEnd {
+    pub fn label(self) -> &'static str {
+        match self {
+            TunnelEnd::NoAgent => "no_agent",
+            TunnelEnd::Policy => "policy",
+            TunnelEnd::Limit => "limit",
+            TunnelEnd::DialTimeout => "dial_timeout",
+            TunnelEnd::DialFailed => "dial_failed",
+            TunnelEnd::DialCancelled => "dial_cancelled",
+            TunnelEnd::ClientClosed => "client_closed",
+            TunnelEnd::ClientError => "client_error",
+            TunnelEnd::TargetClosed => "target_closed",
+            TunnelEnd::TargetError => "target_error",
+            TunnelEnd::AgentGone => "agent_gone",
+            TunnelEnd::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// A dial not yet answered: counted as cancelled if the caller drops it
+/// before it resolves one way or the other.
+struct DialInFlight<'a> {
+    metrics: &'a ServerMetrics,
+    address: &'a str,
+    dial_id: DialId,
+    armed: bool,
+}
+
+impl DialInFlight<'_> {
+    /// The dial failed: count and log how.
+    fn failed(mut self, error: DialError) -> DialError {
+        self.armed = false;
+        self.metrics.tunnel_ended(error.end());
+        tracing::debug!(dial_id = %self.dial_id, destination = self.address, reason = error.end().label(), %error, "tunnel ended before it was established");
+        error
+    }
+
+    /// The dial succeeded: the tunnel's [`TunnelLife`] counts its end.
+    fn established(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for DialInFlight<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.metrics.tunnel_ended(TunnelEnd::DialCancelled);
+            tracing::debug!(dial_id = %self.dial_id, destination = self.address, reason = TunnelEnd::DialCancelled.label(), "tunnel ended before it was established");
+        }
+    }
+}
+
+/// Bytes through one tunnel, each way.
+#[derive(Debug, Default)]
+struct TunnelBytes {
+    to_target: AtomicU64,
+    from_target: AtomicU64,
+}
+
+/// An established tunnel from dial to end, for its closing log line and
+/// `tunnels_ended_total`. The frontend says how it ended with [`TunnelLife::end`];
+/// dropped without that (its task cancelled), it ended with the server.
+pub struct TunnelLife {
+    connect_id: ConnectId,
+    dial_id: DialId,
+    agent_id: String,
+    destination: String,
+    started: Instant,
+    bytes: Arc<TunnelBytes>,
+    metrics: Arc<ServerMetrics>,
+    end: TunnelEnd,
+}
+
+impl TunnelLife {
+    pub fn end(mut self, reason: TunnelEnd) {
+        self.end = reason;
+    }
+}
+
+impl Drop for TunnelLife {
+    fn drop(&mut self) {
+        self.metrics.tunnel_ended(self.end);
+        tracing::debug!(
+            connect_id = %self.connect_id,
+            dial_id = %self.dial_id,
+            agent_id = %self.agent_id,
+            destination = %self.destination,
+            reason = self.end.label(),
+            bytes_to_target = self.bytes.to_target.load(Ordering::Relaxed),
+            bytes_from_target = self.bytes.from_target.load(Ordering::Relaxed),
+            duration = ?self.started.elapsed(),
+            "tunnel closed"
+        );
+    }
+}
+
 /// Dials through the registry's backends.
 #[derive(Clone)]
 pub struct Dialer {
@@ -77,6 +217,23 @@ impl Dialer {
     /// Dials `address` (`host:port`) with a dial id of the caller's choosing
     /// (gRPC clients pick their own; HTTP CONNECT uses a random one).
     pub async fn dial(&self, address: &str, dial_id: DialId) -> Result<TunnelConn, DialError> {
+        tracing::debug!(%dial_id, destination = address, client = self.class.label(), "dial requested");
+        let in_flight = DialInFlight {
+            metrics: &self.metrics,
+            address,
+            dial_id,
+            armed: true,
+        };
+        match self.dial_agent(address, dial_id).await {
+            Ok(connection) => {
+                in_flight.established();
+                Ok(connection)
+            }
+            Err(error) => Err(in_flight.failed(error)),
+        }
+    }
+
+    async fn dial_agent(&self, address: &str, dial_id: DialId) -> Result<TunnelConn, DialError> {
         if self.class == FrontendClass::Node
             && let Err(refused) = check_node_destination(&self.node_allowed, address)
         {
@@ -134,22 +291,38 @@ impl Dialer {
         };
         cancel.armed = false;
         match answer {
-            Some(Event::Dialed(Ok(connect_id))) => Ok(TunnelConn {
-                connect_id,
-                sender: TunnelSender {
-                    backend: backend.clone(),
+            Some(Event::Dialed(Ok(connect_id))) => {
+                tracing::debug!(%connect_id, %dial_id, agent_id = %backend.agent_id, destination = address, "tunnel established");
+                let bytes = Arc::new(TunnelBytes::default());
+                Ok(TunnelConn {
                     connect_id,
-                    window: send_window,
-                    _slot: slot,
-                },
-                receiver: TunnelReceiver {
-                    backend: backend.clone(),
-                    connect_id,
-                    events,
-                    credit: receive_credit,
-                    unconsumed: 0,
-                },
-            }),
+                    sender: TunnelSender {
+                        backend: backend.clone(),
+                        connect_id,
+                        window: send_window,
+                        bytes: bytes.clone(),
+                        _slot: slot,
+                    },
+                    receiver: TunnelReceiver {
+                        backend: backend.clone(),
+                        connect_id,
+                        events,
+                        credit: receive_credit,
+                        unconsumed: 0,
+                        bytes: bytes.clone(),
+                    },
+                    life: TunnelLife {
+                        connect_id,
+                        dial_id,
+                        agent_id: backend.agent_id.clone(),
+                        destination: address.to_owned(),
+                        started: Instant::now(),
+                        bytes,
+                        metrics: self.metrics.clone(),
+                        end: TunnelEnd::Shutdown,
+                    },
+                })
+            }
             Some(Event::Dialed(Err(text))) => Err(DialError::Agent(text)),
             Some(_) | None => Err(DialError::BackendGone),
         }
@@ -177,13 +350,15 @@ pub struct TunnelConn {
     pub connect_id: ConnectId,
     sender: TunnelSender,
     receiver: TunnelReceiver,
+    life: TunnelLife,
 }
 
 impl TunnelConn {
-    /// Splits into the half that sends to the agent and the half that
-    /// receives from it, so both directions can run at once.
-    pub fn split(self) -> (TunnelSender, TunnelReceiver) {
-        (self.sender, self.receiver)
+    /// Splits into the half that sends to the agent, the half that
+    /// receives from it (so both directions can run at once) and the
+    /// record that says, when the frontend is done, how the tunnel ended.
+    pub fn split(self) -> (TunnelSender, TunnelReceiver, TunnelLife) {
+        (self.sender, self.receiver, self.life)
     }
 }
 
@@ -193,6 +368,7 @@ pub struct TunnelSender {
     backend: Arc<Backend>,
     connect_id: ConnectId,
     window: SendWindow,
+    bytes: Arc<TunnelBytes>,
     /// The frontend's tunnel slot, freed when the tunnel ends.
     _slot: Option<Slot>,
 }
@@ -203,12 +379,15 @@ impl TunnelSender {
     /// the agent stream is gone.
     pub async fn send(&self, data: Bytes) -> Result<(), BackendGone> {
         self.window.reserve(data.len()).await.map_err(|_| BackendGone)?;
+        let len = data.len() as u64;
         self.backend
             .send(Frame::Data {
                 connect_id: self.connect_id,
                 data,
             })
-            .await
+            .await?;
+        self.bytes.to_target.fetch_add(len, Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -227,8 +406,30 @@ impl Drop for TunnelSender {
 pub enum RemoteEnd {
     /// The agent closed it cleanly (the target closed, or it answered our close).
     Closed,
-    /// The agent reported an error, or its stream went away.
+    /// The agent reported an error (the target reset, say).
     Failed(String),
+    /// The agent's stream went away.
+    AgentGone,
+}
+
+impl RemoteEnd {
+    /// The error a client is told, if any.
+    pub fn error(&self) -> Option<String> {
+        match self {
+            RemoteEnd::Closed => None,
+            RemoteEnd::Failed(error) => Some(error.clone()),
+            RemoteEnd::AgentGone => Some(AGENT_DISCONNECTED.to_owned()),
+        }
+    }
+
+    /// How the tunnel ended, from the server's side.
+    pub fn tunnel_end(&self) -> TunnelEnd {
+        match self {
+            RemoteEnd::Closed => TunnelEnd::TargetClosed,
+            RemoteEnd::Failed(_) => TunnelEnd::TargetError,
+            RemoteEnd::AgentGone => TunnelEnd::AgentGone,
+        }
+    }
 }
 
 pub struct TunnelReceiver {
@@ -239,6 +440,7 @@ pub struct TunnelReceiver {
     /// Length of the chunk handed out last: asking for the next one means
     /// the caller has written it, so its credit goes back to the agent.
     unconsumed: usize,
+    bytes: Arc<TunnelBytes>,
 }
 
 impl TunnelReceiver {
@@ -253,20 +455,23 @@ impl TunnelReceiver {
                 connect_id: self.connect_id,
                 bytes,
             };
-            if let Err(gone) = self.backend.send(update).await {
-                return Err(RemoteEnd::Failed(gone.to_string()));
+            if self.backend.send(update).await.is_err() {
+                return Err(RemoteEnd::AgentGone);
             }
         }
         let event = self.events.recv().await;
         if let Some(Event::Data(data)) = &event {
             self.unconsumed = data.len();
+            self.bytes
+                .from_target
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
         }
         match event {
             Some(Event::Data(data)) => Ok(data),
             Some(Event::Closed(None)) => Err(RemoteEnd::Closed),
             Some(Event::Closed(Some(error))) => Err(RemoteEnd::Failed(error)),
             Some(Event::Dialed(_)) => Err(RemoteEnd::Failed("duplicate DIAL_RSP".to_owned())),
-            None => Err(RemoteEnd::Failed(AGENT_DISCONNECTED.to_owned())),
+            None => Err(RemoteEnd::AgentGone),
         }
     }
 }

@@ -133,3 +133,151 @@ async fn a_clean_stop_of_either_peer_is_not_a_warning() {
         assert!(line.starts_with('I'), "{line}");
     }
 }
+
+/// The value of `key` in a klog line (quoted or bare).
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let start = line.find(&format!(" {key}="))? + key.len() + 2;
+    let rest = &line[start..];
+    match rest.strip_prefix('"') {
+        Some(quoted) => quoted.split('"').next(),
+        None => rest.split(' ').next(),
+    }
+}
+
+/// The lines of `proc` with message `msg` and `key` = `value`.
+fn lines_with(proc: &Proc, msg: &str, key: &str, value: &str) -> Vec<String> {
+    lines_of(proc)
+        .into_iter()
+        .filter(|line| line.contains(&format!("] \"{msg}\"")) && field(line, key) == Some(value))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_tunnel_is_logged_at_v2_on_both_sides_with_the_ids_that_tie_them() {
+    use support::connect::via_tls;
+    use support::scrape::metric;
+    use support::targets;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let verbose = vec!["-v=2".to_owned()];
+    // Over TCP: a Unix socket cannot carry the reset of the second tunnel.
+    let setup = Setup::with_flags("http-connect", false, &verbose, &verbose).await;
+    let target = targets::blob().await;
+    let destination = target.addr.to_string();
+    let tls = setup.pki.client_tls(Some(&setup.pki.client), &[b"http/1.1"]);
+    let port = setup.server.tcp_port();
+
+    // An echo tunnel the client closes: 17 header bytes and 5 more go to
+    // the target, 5 come back.
+    let mut client = via_tls(port, tls.clone(), &destination).await.unwrap().unwrap();
+    targets::start_echo(&mut client).await.unwrap();
+    client.write_all(b"hello").await.unwrap();
+    let mut echoed = [0u8; 5];
+    client.read_exact(&mut echoed).await.unwrap();
+    drop(client);
+    // A tunnel whose target resets.
+    let mut client = via_tls(port, tls.clone(), &destination).await.unwrap().unwrap();
+    targets::expect_reset(&mut client, 1000, 7).await;
+    drop(client);
+    // A dial the agent cannot make.
+    let closed_port = support::free_port();
+    let refused = via_tls(port, tls, &format!("127.0.0.1:{closed_port}"))
+        .await
+        .unwrap();
+    assert!(refused.is_err());
+
+    let (server, agent) = (&setup.server.proc, &setup.agent.proc);
+    wait_until(
+        Duration::from_secs(5),
+        "both tunnels to be logged closed on both sides",
+        || async {
+            lines_of(server)
+                .iter()
+                .filter(|l| l.contains("\"tunnel closed\""))
+                .count()
+                == 2
+                && lines_of(agent)
+                    .iter()
+                    .filter(|l| l.contains("\"tunnel closed\""))
+                    .count()
+                    == 2
+        },
+    )
+    .await;
+
+    for (reason_on_server, reason_on_agent, to_target, from_target) in [
+        ("client_closed", "server_closed", "22", "5"),
+        ("target_error", "target_error", "18", "1000"),
+    ] {
+        let closed = lines_with(server, "tunnel closed", "reason", reason_on_server);
+        let [closed] = closed.as_slice() else {
+            panic!("one {reason_on_server} tunnel on the server: {closed:#?}")
+        };
+        let connect_id = field(closed, "connect_id").unwrap();
+        let dial_id = field(closed, "dial_id").unwrap();
+        assert_eq!(field(closed, "agent_id"), Some("agent-1"), "{closed}");
+        assert_eq!(
+            field(closed, "destination"),
+            Some(destination.as_str()),
+            "{closed}"
+        );
+        assert_eq!(field(closed, "bytes_to_target"), Some(to_target), "{closed}");
+        assert_eq!(field(closed, "bytes_from_target"), Some(from_target), "{closed}");
+        assert!(field(closed, "duration").is_some(), "{closed}");
+        // Dial and establishment, with the same ids.
+        let dialed = lines_with(server, "dial requested", "dial_id", dial_id);
+        assert_eq!(dialed.len(), 1, "{dialed:#?}");
+        assert_eq!(field(&dialed[0], "client"), Some("apiserver"), "{}", dialed[0]);
+        let established = lines_with(server, "tunnel established", "connect_id", connect_id);
+        assert!(
+            established.iter().any(|l| field(l, "dial_id") == Some(dial_id)),
+            "{established:#?}"
+        );
+
+        // The agent's side of the same tunnel: same connectID and dial id.
+        let on_agent: Vec<String> = lines_with(agent, "tunnel closed", "connect_id", connect_id)
+            .into_iter()
+            .filter(|l| field(l, "dial_id") == Some(dial_id))
+            .collect();
+        let [on_agent] = on_agent.as_slice() else {
+            panic!(
+                "the agent's line for connectID {connect_id}: {:#?}",
+                lines_of(agent)
+            )
+        };
+        assert_eq!(field(on_agent, "reason"), Some(reason_on_agent), "{on_agent}");
+        assert_eq!(field(on_agent, "bytes_to_target"), Some(to_target), "{on_agent}");
+        assert_eq!(
+            field(on_agent, "bytes_from_target"),
+            Some(from_target),
+            "{on_agent}"
+        );
+        assert!(
+            field(on_agent, "server_id").is_some(),
+            "the server stream's id: {on_agent}"
+        );
+        assert_eq!(lines_with(agent, "dial requested", "dial_id", dial_id).len(), 1);
+    }
+
+    // And counted, by reason, on both binaries.
+    let ended = |reason: &str| format!("tunnels_ended_total{{reason=\"{reason}\"}}");
+    let server_port = setup.server.health_port;
+    let agent_port = setup.agent.health_port;
+    for (port, prefix, reasons) in [
+        (
+            server_port,
+            "konnectivity_network_proxy_server_",
+            ["client_closed", "target_error", "dial_failed"],
+        ),
+        (
+            agent_port,
+            "konnectivity_network_proxy_agent_",
+            ["server_closed", "target_error", "dial_failed"],
+        ),
+    ] {
+        for reason in reasons {
+            let series = format!("{prefix}{}", ended(reason));
+            assert_eq!(metric(port, &series).await, Some(1.0), "{series}");
+        }
+    }
+}

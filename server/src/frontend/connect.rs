@@ -16,7 +16,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
 use super::stream::FrontendStream;
 use crate::metrics::ServerMetrics;
-use crate::tunnel::{Dialer, RemoteEnd, TunnelConn};
+use crate::tunnel::{Dialer, RemoteEnd, TunnelConn, TunnelEnd};
 
 /// The success line; Go's client reads exactly this, and nothing may follow
 /// it before the tunneled bytes.
@@ -199,7 +199,6 @@ pub async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
     if stream.write_all(ESTABLISHED).await.is_err() {
         return;
     }
-    tracing::debug!(target = %request.target, connect_id = %connection.connect_id, "tunnel established");
     pump(stream, connection, request.early_data, &dialer.metrics).await;
 }
 
@@ -241,20 +240,29 @@ async fn pump<S: FrontendStream>(
     metrics: &ServerMetrics,
 ) {
     let (mut reader, mut writer) = tokio::io::split(stream);
-    let (sender, mut receiver) = connection.split();
+    let (sender, mut receiver, life) = connection.split();
 
     let client_to_agent = async {
-        if !early_data.is_empty() && sender.send(early_data).await.is_err() {
-            return;
+        // A send fails only once the connection is gone on the agent's
+        // side; the other direction then learns how, so this one waits.
+        let sent = async |chunk| {
+            if sender.send(chunk).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        if !early_data.is_empty() {
+            sent(early_data).await;
         }
         loop {
             match read_chunk(&mut reader).await {
-                Ok(Some(chunk)) => {
-                    if sender.send(chunk).await.is_err() {
-                        return;
-                    }
+                Ok(Some(chunk)) => sent(chunk).await,
+                Ok(None) => return TunnelEnd::ClientClosed,
+                // A TLS client that hung up without close_notify has closed,
+                // not failed: many do.
+                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    return TunnelEnd::ClientClosed;
                 }
-                Ok(None) | Err(_) => return,
+                Err(_) => return TunnelEnd::ClientError,
             }
         }
     };
@@ -267,31 +275,36 @@ async fn pump<S: FrontendStream>(
                     // write they would never reach the client.
                     let started = Instant::now();
                     if writer.write_all(&data).await.is_err() || writer.flush().await.is_err() {
-                        return RemoteEnd::Closed;
+                        return Err(TunnelEnd::ClientError);
                     }
                     metrics
                         .frontend_write_duration
                         .observe(started.elapsed().as_secs_f64());
                 }
-                Err(end) => return end,
+                Err(end) => return Ok(end),
             }
         }
     };
     let remote_end = tokio::select! {
-        () = client_to_agent => None,
-        end = agent_to_client => Some(end),
+        end = client_to_agent => Err(end),
+        end = agent_to_client => end,
     };
     // Dropping the sender closes the connection on the agent.
     drop(sender);
     match remote_end {
-        Some(RemoteEnd::Closed) => {
+        Ok(RemoteEnd::Closed) => {
+            life.end(TunnelEnd::TargetClosed);
             let _ = writer.shutdown().await;
         }
-        Some(RemoteEnd::Failed(error)) => {
-            tracing::info!(%error, "tunnel broke; resetting the client connection");
+        Ok(end) => {
+            tracing::info!(
+                error = end.error(),
+                "tunnel broke; resetting the client connection"
+            );
+            life.end(end.tunnel_end());
             reader.unsplit(writer).abort_on_drop();
         }
-        None => {}
+        Err(client_end) => life.end(client_end),
     }
 }
 

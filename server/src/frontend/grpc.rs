@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::metrics::{Segment, ServerMetrics};
-use crate::tunnel::{DialError, Dialer, RemoteEnd, TunnelConn};
+use crate::tunnel::{DialError, Dialer, TunnelConn, TunnelEnd};
 
 /// Packets queued towards one frontend client.
 const TO_CLIENT_QUEUE: usize = 64;
@@ -192,7 +192,7 @@ impl ClientStream {
         let Some(connection) = self.dial(dialer, &address, dial_id).await else {
             return;
         };
-        let _ = self.relay(connection, &dialer.metrics).await;
+        self.relay(connection, &dialer.metrics).await;
     }
 
     /// Dials while watching the client: DIAL_CLS or the stream ending cancels
@@ -239,9 +239,9 @@ impl ClientStream {
     /// stop bytes flowing back to the client (an echoing target would
     /// otherwise deadlock both). Dropping the tunnel's sender on the way out
     /// closes the connection on the agent.
-    async fn relay(&mut self, connection: TunnelConn, metrics: &ServerMetrics) -> Result<(), ClientGone> {
+    async fn relay(&mut self, connection: TunnelConn, metrics: &ServerMetrics) {
         let connect_id = connection.connect_id;
-        let (sender, mut receiver) = connection.split();
+        let (sender, mut receiver, life) = connection.split();
         let inbound = &mut self.inbound;
         let outbound = &self.outbound;
         let to_agent = async {
@@ -249,7 +249,9 @@ impl ClientStream {
                 match inbound.next_frame().await {
                     Some(Frame::Data { connect_id: id, data }) if id == connect_id => {
                         if sender.send(data).await.is_err() {
-                            return RelayEnd::Close(Some("agent disconnected".to_owned()));
+                            // Gone on the agent's side: the other direction
+                            // learns how and answers the client.
+                            std::future::pending::<()>().await;
                         }
                     }
                     Some(Frame::Data {
@@ -260,13 +262,18 @@ impl ClientStream {
                         let error =
                             format!("DATA for connectID {foreign} on the stream of connectID {connect_id}");
                         tracing::warn!(%error, "closing frontend stream");
-                        return RelayEnd::Close(Some(error));
+                        return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
                     }
-                    Some(Frame::CloseRequest { .. }) => return RelayEnd::Close(None),
+                    Some(Frame::CloseRequest { .. }) => {
+                        return (RelayEnd::Close(None), TunnelEnd::ClientClosed);
+                    }
                     Some(other) => {
                         tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream")
                     }
-                    None => return RelayEnd::ClientGone,
+                    None if inbound.failure.is_some() => {
+                        return (RelayEnd::ClientGone, TunnelEnd::ClientError);
+                    }
+                    None => return (RelayEnd::ClientGone, TunnelEnd::ClientClosed),
                 }
             }
         };
@@ -276,24 +283,24 @@ impl ClientStream {
                     Ok(data) => {
                         let started = Instant::now();
                         if outbound.send(Frame::Data { connect_id, data }).await.is_err() {
-                            return RelayEnd::ClientGone;
+                            return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
                         }
                         metrics
                             .frontend_write_duration
                             .observe(started.elapsed().as_secs_f64());
                     }
-                    Err(RemoteEnd::Closed) => return RelayEnd::Close(None),
-                    Err(RemoteEnd::Failed(error)) => return RelayEnd::Close(Some(error)),
+                    Err(end) => return (RelayEnd::Close(end.error()), end.tunnel_end()),
                 }
             }
         };
-        let end = tokio::select! {
+        let (end, reason) = tokio::select! {
             end = to_agent => end,
             end = to_client => end,
         };
-        match end {
-            RelayEnd::Close(error) => self.close(connect_id, error).await,
-            RelayEnd::ClientGone => Ok(()),
+        drop(sender);
+        life.end(reason);
+        if let RelayEnd::Close(error) = end {
+            let _ = self.close(connect_id, error).await;
         }
     }
 

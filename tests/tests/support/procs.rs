@@ -61,9 +61,19 @@ impl Proc {
         let n = SPAWNED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let log = log_dir.join(format!("{binary}-{n}.log"));
         let file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(path)
+        let mut command = Command::new(path);
+        // Debug logs for failing tests to show, unless the test chose a
+        // verbosity itself (-v), which RUST_LOG would override.
+        if !args
+            .iter()
+            .any(|arg| arg.starts_with("-v=") || arg.starts_with("--v="))
+        {
+            command.env("RUST_LOG", "debug,h2=info,hyper=info,tower=info,rustls=info");
+        } else {
+            command.env_remove("RUST_LOG");
+        }
+        let child = command
             .args(args)
-            .env("RUST_LOG", "debug,h2=info,hyper=info,tower=info,rustls=info")
             // mimalloc returns freed pages only on later activity on the same
             // thread, so an idle process's resident memory says little about
             // leaks. Returning them at once makes it comparable: what stays
