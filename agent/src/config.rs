@@ -47,7 +47,7 @@ pub struct Args {
     /// Port of /healthz, /readyz and /metrics.
     #[arg(long, value_parser = parse_port, default_value = "8093")]
     pub health_server_port: u16,
-    /// Port of the admin listener.
+    /// Port of upstream's admin listener (pprof). Not applied in this version (accepted for upstream compatibility): no admin listener is opened.
     #[arg(long, value_parser = parse_port, default_value = "8094")]
     pub admin_server_port: u16,
     /// This agent's identity (a random UUID when empty).
@@ -62,12 +62,11 @@ pub struct Args {
     /// Longest wait between reconnection attempts.
     #[arg(long, value_parser = parse_duration, default_value = "10s")]
     pub sync_interval_cap: Duration,
-    /// Packets buffered per connection towards its endpoint (upstream's knob; not
-    /// applied: this version buffers up to the per-connection flow-control window,
-    /// 2 MiB, instead).
+    /// Packets buffered per connection towards its endpoint. Not applied in this version (accepted for upstream compatibility):
+    /// each connection buffers up to its flow-control window, 2 MiB, instead.
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
-    /// Bind address of the admin listener.
+    /// Bind address of upstream's admin listener. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
     /// How often each connection to a konnectivity-rs server is probed; one that
@@ -88,28 +87,34 @@ pub struct Args {
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub sync_forever: bool,
-    /// Count proxy-server leases to learn the server count (not applied yet).
+    /// Count proxy-server Leases to learn the server count. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub count_server_leases: bool,
+    /// Namespace of the server Leases to count. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
+    /// Labels of the server Leases to count. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
     pub lease_label: String,
+    /// Label selector of the server Leases to count (upstream master). Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
     pub lease_label_selector: String,
-    /// Where the server count comes from: default (servers' headers) or max.
+    /// Where the server count comes from: default (the servers' headers) or max (the larger of
+    /// headers and Leases). Only default is applied in this version.
     #[arg(long, default_value = "default")]
     pub server_count_source: String,
-    /// kubeconfig for lease counting (not applied yet).
+    /// kubeconfig for counting Leases. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
+    /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
-    /// pprof on the admin port (Go only; not applied).
+    /// Go's pprof on the admin port. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub enable_profiling: bool,
+    /// Go's contention profiling. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub enable_contention_profiling: bool,
@@ -443,6 +448,37 @@ mod tests {
     fn keepalive(flag: &str) -> Option<Duration> {
         let args = Args::try_parse_from(["proxy-agent", "--agent-id=a", flag]).unwrap();
         Config::from_args(&args).unwrap().keepalive
+    }
+
+    #[test]
+    fn help_describes_every_flag_and_marks_every_inert_one() {
+        use clap::CommandFactory;
+        let mut line = vec![
+            "proxy-agent",
+            "--admin-server-port=9000",
+            "--xfr-channel-size=5",
+            "--admin-bind-address=0.0.0.0",
+            "--count-server-leases",
+            "--lease-namespace=x",
+            "--lease-label=a=b",
+            "--lease-label-selector=a=b",
+            "--kubeconfig=/x",
+            "--kube-api-content-type=application/json",
+            "--enable-profiling",
+            "--enable-contention-profiling",
+        ];
+        line.extend(konnectivity_plumbing::klog::INERT_KLOG_SETTINGS);
+        let inert = Args::try_parse_from(&line).unwrap().inert_settings();
+        // Every flag set above is reported inert at start-up...
+        assert_eq!(inert.len(), line.len() - 1, "{inert:?}");
+        // ...and its help says so; every flag has a description.
+        let command = Args::command();
+        let problems = konnectivity_plumbing::klog::help_problems(&command, &inert);
+        assert!(problems.is_empty(), "{problems:#?}");
+        for sub in command.get_subcommands() {
+            let problems = konnectivity_plumbing::klog::help_problems(sub, &[]);
+            assert!(problems.is_empty(), "{}: {problems:#?}", sub.get_name());
+        }
     }
 
     #[test]

@@ -1,7 +1,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use clap::Parser;
 use konnectivity_agent::config::{AgentCommand, Args, Config};
 
 /// See `konnectivity_plumbing::runtime::Allocator`.
@@ -9,7 +8,7 @@ use konnectivity_agent::config::{AgentCommand, Args, Config};
 static ALLOCATOR: konnectivity_plumbing::runtime::Allocator = konnectivity_plumbing::runtime::Allocator;
 
 fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args: Args = konnectivity_plumbing::flags::parse_or_exit();
     if let Some(AgentCommand::InstallCni(install)) = &args.command {
         args.klog.init_logging()?;
         if let Err(error) = konnectivity_agent::cni::install::run(install) {

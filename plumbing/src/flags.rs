@@ -95,7 +95,14 @@ pub fn parse_bool(text: &str) -> Result<bool, String> {
 /// Upstream refuses ports in the ephemeral range and the privileged range,
 /// where a listener would clash with outgoing connections or need root.
 pub fn parse_port(text: &str) -> Result<u16, String> {
-    let port: u16 = text.parse().map_err(|_| format!("invalid port {text:?}"))?;
+    let port: u16 = match text.parse() {
+        Ok(port) => port,
+        // A number, just too large for a port: the same message as for 80.
+        Err(_) if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) => {
+            return Err(format!("port {text} is outside 1024-49151"));
+        }
+        Err(_) => return Err(format!("invalid port {text:?}: a number in 1024-49151")),
+    };
     if !(1024..=49151).contains(&port) && port != 0 {
         return Err(format!("port {port} is outside 1024-49151"));
     }
@@ -194,5 +201,112 @@ mod tests {
         assert!(parse_port("80").unwrap_err().contains("1024-49151"));
         assert!(parse_port("50000").is_err());
         assert!(parse_port("x").is_err());
+    }
+}
+
+/// Parses the command line as `T` describes it, exiting with status 2 and
+/// clap's message on a bad one. For an unknown flag, the tip names a known
+/// flag only when it is a near miss: a unique prefix (`--uds` for
+/// `--uds-name`) or within two edits of a long name (`--agent-identifierz`).
+pub fn parse_or_exit<T: clap::Parser>() -> T {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let mut error = match T::try_parse() {
+        Ok(args) => return args,
+        Err(error) => error,
+    };
+    if error.kind() == ErrorKind::UnknownArgument
+        && let Some(ContextValue::String(given)) = error.get(ContextKind::InvalidArg)
+        && let Some(known) = near_miss(given, &T::command())
+    {
+        error.insert(
+            ContextKind::SuggestedArg,
+            ContextValue::String(format!("--{known}")),
+        );
+    }
+    error.exit()
+}
+
+/// The one long flag of `command` that `given` (`--name` or `--name=value`)
+/// nearly spells, if there is one.
+fn near_miss(given: &str, command: &clap::Command) -> Option<String> {
+    let name = given.trim_start_matches('-').split('=').next()?;
+    if name.is_empty() {
+        return None;
+    }
+    let longs: Vec<&str> = command.get_arguments().filter_map(|arg| arg.get_long()).collect();
+    let prefixed: Vec<&&str> = longs.iter().filter(|long| long.starts_with(name)).collect();
+    if let [only] = prefixed.as_slice() {
+        return Some((**only).to_owned());
+    }
+    let close: Vec<&&str> = longs
+        .iter()
+        .filter(|long| edit_distance(name, long) <= 2.min(name.len() / 4))
+        .collect();
+    match close.as_slice() {
+        [only] => Some((**only).to_owned()),
+        _ => None,
+    }
+}
+
+/// Levenshtein distance, on bytes (flag names are ASCII).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut previous: Vec<usize> = (0..=b.len()).collect();
+    for (i, &x) in a.iter().enumerate() {
+        let mut current = vec![i + 1];
+        for (j, &y) in b.iter().enumerate() {
+            let substitution = previous[j] + usize::from(x != y);
+            current.push(substitution.min(previous[j + 1] + 1).min(current[j] + 1));
+        }
+        previous = current;
+    }
+    previous[b.len()]
+}
+
+#[cfg(test)]
+mod suggestion_tests {
+    use super::*;
+
+    fn command() -> clap::Command {
+        [
+            "uds-name",
+            "agent-identifiers",
+            "agent-id",
+            "mode",
+            "xfr-channel-size",
+            "cluster-key",
+            "server-cert",
+            "agent-cert",
+        ]
+        .into_iter()
+        .fold(clap::Command::new("t"), |command, name| {
+            command.arg(clap::Arg::new(name).long(name))
+        })
+    }
+
+    #[test]
+    fn only_near_misses_are_suggested() {
+        let cases = [
+            ("--uds", Some("uds-name")),
+            ("--mod=grpc", Some("mode")),
+            ("--agent-identifierz=ipv4=1", Some("agent-identifiers")),
+            ("--agent-ip", Some("agent-id")),
+            // Unrelated: clap's own similarity proposed these.
+            ("--ca", None),
+            ("--cert", None),
+            ("--id", None),
+            // Ambiguous prefix.
+            ("--agent", None),
+        ];
+        for (given, expected) in cases {
+            assert_eq!(near_miss(given, &command()).as_deref(), expected, "{given}");
+        }
+    }
+
+    #[test]
+    fn edit_distance_counts_edits() {
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "ab"), 2);
+        assert_eq!(edit_distance("same", "same"), 0);
     }
 }

@@ -17,7 +17,7 @@ pub struct KlogArgs {
     /// Kubernetes components write it).
     #[arg(long, value_enum, default_value = "text")]
     pub logging_format: crate::logging::LogFormat,
-    /// Per-module verbosity (klog only; not applied).
+    /// klog's per-module verbosity. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "")]
     pub vmodule: String,
     /// Log to standard error (the default).
@@ -28,36 +28,41 @@ pub struct KlogArgs {
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub alsologtostderr: bool,
-    /// klog severity threshold for --alsologtostderr (not applied).
+    /// klog severity threshold for --alsologtostderr. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "")]
     pub alsologtostderrthreshold: String,
-    /// klog severity threshold for standard error (not applied).
+    /// klog severity threshold for standard error. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "2")]
     pub stderrthreshold: String,
-    /// klog log directory (not applied; use --log-file).
+    /// klog log directory. Not applied in this version (accepted for upstream compatibility): use --log-file.
     #[arg(long, default_value = "")]
     pub log_dir: String,
     /// Log to this file instead of standard error.
     #[arg(long, default_value = "")]
     pub log_file: String,
-    /// klog log file rotation size in MB (not applied).
+    /// klog log file rotation size in MB. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value_t = 1800)]
     pub log_file_max_size: u64,
-    /// klog stack trace trigger (not applied).
+    /// klog stack trace trigger. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = ":0")]
     pub log_backtrace_at: String,
+    /// klog: write each severity to its own file only. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub one_output: bool,
+    /// klog: omit the header of each line. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub skip_headers: bool,
+    /// klog: omit the header of log files. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub skip_log_headers: bool,
+    /// klog: put the source directory in the header. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub add_dir_header: bool,
+    /// klog: apply --stderrthreshold only with --logtostderr=false. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
     pub legacy_stderr_threshold_behavior: bool,
@@ -105,3 +110,37 @@ pub fn warn_inert(flags: &[&str]) {
         tracing::warn!(flag = %format!("--{flag}"), "flag is accepted for compatibility with upstream but has no effect in this version");
     }
 }
+
+/// What every `--help` promises, checked by each binary's tests: every flag
+/// has a description, and each of `inert` (flags accepted but not acted on)
+/// says so with the words "Not applied".
+pub fn help_problems(command: &clap::Command, inert: &[&str]) -> Vec<String> {
+    let mut problems = Vec::new();
+    for arg in command.get_arguments().filter(|arg| !arg.is_hide_set()) {
+        let name = arg.get_long().unwrap_or(arg.get_id().as_str());
+        match arg.get_help().map(ToString::to_string) {
+            None => problems.push(format!("--{name} has no description")),
+            Some(help) if inert.contains(&name) && !help.contains("Not applied") => problems.push(format!(
+                "--{name} has no effect but its help does not say so: {help:?}"
+            )),
+            Some(_) => {}
+        }
+    }
+    problems
+}
+
+/// Command-line values for every klog flag that this implementation
+/// accepts without acting on it, for the binaries' help tests.
+pub const INERT_KLOG_SETTINGS: &[&str] = &[
+    "--vmodule=session=4",
+    "--alsologtostderrthreshold=1",
+    "--stderrthreshold=1",
+    "--log-dir=/tmp",
+    "--log-file-max-size=5",
+    "--log-backtrace-at=session.go:1",
+    "--one-output",
+    "--skip-headers",
+    "--skip-log-headers",
+    "--add-dir-header",
+    "--legacy-stderr-threshold-behavior=false",
+];

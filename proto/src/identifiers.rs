@@ -20,6 +20,11 @@ pub enum IdentifiersError {
     UnknownKey(String),
     #[error("agent identifier {0:?} has no value")]
     MissingValue(String),
+    #[error(
+        "agent identifier {0}= has an empty value (in a manifest, the variable it is made from, \
+         such as $(HOST_IP), is probably unset)"
+    )]
+    EmptyValue(String),
     #[error("agent identifier default-route={0:?} is not true or false")]
     BadDefaultRoute(String),
     #[error("agent identifier {key}={value:?} is not valid percent-encoding")]
@@ -45,6 +50,11 @@ impl AgentIdentifiers {
             let (key, raw) = pair
                 .split_once('=')
                 .ok_or_else(|| IdentifiersError::MissingValue(pair.to_owned()))?;
+            // An agent announcing `ipv4=` would match no dial; say so at
+            // start-up. (Servers take what upstream agents send.)
+            if strict && raw.is_empty() && key != "default-route" {
+                return Err(IdentifiersError::EmptyValue(key.to_owned()));
+            }
             let value = percent_decode(raw).ok_or_else(|| IdentifiersError::BadEncoding {
                 key: key.to_owned(),
                 value: raw.to_owned(),
@@ -158,6 +168,19 @@ mod tests {
         assert_eq!(ids.ipv6, ["fd00::5"]);
         assert_eq!(ids.cidrs, ["10.0.0.0/24"]);
         assert!(ids.default_route);
+    }
+
+    #[test]
+    fn an_empty_value_is_refused_in_strict_mode() {
+        for text in ["ipv4=", "host=&ipv4=10.0.0.5", "cidr="] {
+            let error = AgentIdentifiers::parse(text).unwrap_err();
+            assert!(
+                matches!(error, IdentifiersError::EmptyValue(_)),
+                "{text}: {error}"
+            );
+            assert!(error.to_string().contains("empty value"), "{error}");
+        }
+        assert_eq!(AgentIdentifiers::parse_lenient("ipv4=").unwrap().ipv4, [""]);
     }
 
     #[test]

@@ -20,9 +20,9 @@ use crate::token_auth::AllowedAgents;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
-    /// ProxyService over gRPC (kube-apiserver's `GRPC` egress protocol).
+    // ProxyService over gRPC (kube-apiserver's `GRPC` egress protocol).
     Grpc,
-    /// HTTP/1.1 CONNECT (kube-apiserver's `HTTPConnect` egress protocol).
+    // HTTP/1.1 CONNECT (kube-apiserver's `HTTPConnect` egress protocol).
     HttpConnect,
 }
 
@@ -32,7 +32,7 @@ pub enum Mode {
 #[command(name = "proxy-server", version, about, args_override_self = true)]
 #[command(next_help_heading = "Upstream-compatible flags")]
 pub struct Args {
-    /// Frontend protocol: grpc or http-connect.
+    /// Frontend protocol: grpc (ProxyService, kube-apiserver's `GRPC` egress) or http-connect (`HTTPConnect`).
     #[arg(long, value_enum, default_value = "grpc")]
     pub mode: Mode,
     /// Serve the frontend on this Unix socket instead of TCP (then --server-port must be 0).
@@ -87,21 +87,21 @@ pub struct Args {
     /// Bind address of the health listener; empty means all interfaces.
     #[arg(long, default_value = "")]
     pub health_bind_address: String,
-    /// Port of the admin listener.
+    /// Port of upstream's admin listener (pprof). Not applied in this version (accepted for upstream compatibility): no admin listener is opened.
     #[arg(long, value_parser = parse_port, default_value = "8095")]
     pub admin_port: u16,
-    /// Bind address of the admin listener.
+    /// Bind address of upstream's admin listener. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
     /// How long a dial may wait for the agent's DIAL_RSP; 0 waits for the agent's own timeout.
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub backend_dial_timeout: Duration,
-    /// Packets buffered per connection (upstream's knob; not applied: this version
-    /// buffers up to the per-connection flow-control window, 2 MiB, instead).
+    /// Packets buffered per connection. Not applied in this version (accepted for upstream compatibility): each connection
+    /// buffers up to its flow-control window, 2 MiB, instead.
     #[arg(long, default_value_t = 10)]
     pub xfr_channel_size: usize,
-    /// Buffered packets per HTTP CONNECT frontend (upstream's knob; not applied, as
-    /// --xfr-channel-size).
+    /// Buffered packets per HTTP CONNECT frontend. Not applied in this version (accepted for upstream compatibility), as
+    /// --xfr-channel-size.
     #[arg(long, default_value_t = 10)]
     pub frontend_write_channel_size: usize,
     /// Interval of HTTP/2 keepalive pings to agents; a ping unanswered within the
@@ -135,30 +135,36 @@ pub struct Args {
     /// kubeconfig for TokenReviews; empty uses the pod's ServiceAccount.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
+    /// Rate limit of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): TokenReviews are cached and shared instead.
     #[arg(long, default_value_t = 0.0)]
     pub kubeconfig_qps: f32,
+    /// Burst of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility), as --kubeconfig-qps.
     #[arg(long, default_value_t = 0)]
     pub kubeconfig_burst: u32,
+    /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): JSON is sent.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
-    /// TLS cipher suites, Go names, comma-separated (not applied yet: rustls' safe defaults are used).
+    /// TLS cipher suites, Go names, comma-separated. Not applied in this version (accepted for upstream compatibility): rustls' safe defaults are used.
     #[arg(long, value_parser = parse_list, default_value = "")]
     pub cipher_suites: GoList,
     /// Minimum TLS version: VersionTLS12 or VersionTLS13 (10 and 11 are not offered).
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
-    /// Publish proxy-server leases (not applied yet).
+    /// Publish a Lease for this server, for agents to count. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub enable_lease_controller: bool,
+    /// Namespace of the server Leases. Not applied in this version (accepted for upstream compatibility), as --enable-lease-controller.
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
+    /// Labels of the server Leases. Not applied in this version (accepted for upstream compatibility), as --enable-lease-controller.
     #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
     pub lease_label: String,
-    /// pprof on the admin port (Go only; not applied).
+    /// Go's pprof on the admin port. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub enable_profiling: bool,
+    /// Go's contention profiling. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub enable_contention_profiling: bool,
@@ -523,4 +529,37 @@ impl Args {
 /// Upstream defaults the server id to a fresh UUID.
 fn random_server_id() -> String {
     uuid::Uuid::new_v4().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn help_describes_every_flag_and_marks_every_inert_one() {
+        use clap::CommandFactory;
+        let mut line = vec![
+            "proxy-server",
+            "--frontend-write-channel-size=5",
+            "--xfr-channel-size=5",
+            "--kubeconfig-qps=5",
+            "--kubeconfig-burst=5",
+            "--kube-api-content-type=application/json",
+            "--cipher-suites=TLS_AES_128_GCM_SHA256",
+            "--enable-lease-controller",
+            "--lease-namespace=x",
+            "--lease-label=a=b",
+            "--enable-profiling",
+            "--enable-contention-profiling",
+            "--admin-port=9000",
+            "--admin-bind-address=0.0.0.0",
+        ];
+        line.extend(konnectivity_plumbing::klog::INERT_KLOG_SETTINGS);
+        let inert = Args::try_parse_from(&line).unwrap().inert_settings();
+        // Every flag set above is reported inert at start-up...
+        assert_eq!(inert.len(), line.len() - 1, "{inert:?}");
+        // ...and its help says so; every flag has a description.
+        let problems = konnectivity_plumbing::klog::help_problems(&Args::command(), &inert);
+        assert!(problems.is_empty(), "{problems:#?}");
+    }
 }

@@ -1,4 +1,3 @@
-use clap::Parser;
 use konnectivity_server::config::{Args, Config};
 
 /// See `konnectivity_plumbing::runtime::Allocator`.
@@ -6,7 +5,7 @@ use konnectivity_server::config::{Args, Config};
 static ALLOCATOR: konnectivity_plumbing::runtime::Allocator = konnectivity_plumbing::runtime::Allocator;
 
 fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let args: Args = konnectivity_plumbing::flags::parse_or_exit();
     let config = match Config::from_args(&args) {
         Ok(config) => config,
         Err(error) => {

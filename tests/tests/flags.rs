@@ -24,6 +24,8 @@ fn invalid_server_flags_exit_2_naming_the_flag() {
             "--server-port",
         ),
         (&["--agent-port=50000"], "--agent-port"),
+        (&["--agent-port=99999"], "outside 1024-49151"),
+        (&["--health-port=x"], "a number in 1024-49151"),
         (&["--uds-name=/tmp/x.sock", "--server-port=8090"], "--server-port"),
         (&["--uds-name=/tmp/x.sock", "--server-port=0"], "--cluster-cert"),
         (&["--server-port=8090"], "--server-ca-cert"),
@@ -140,6 +142,8 @@ fn invalid_agent_flags_exit_2_naming_the_flag() {
         (&["--capture=10.96.0.1:443"], "--capture"),
         (&["--capture=10.96.0.1:443=10.0.0.1:6443"], "--node-frontend-port"),
         (&["--capture-mark=0"], "--capture-mark"),
+        (&["--agent-identifiers=ipv4="], "--agent-identifiers"),
+        (&["--agent-identifiers=host=n1&ipv4="], "empty value"),
     ];
     for (args, flag) in cases {
         let (code, stderr) = run("proxy-agent", args);
