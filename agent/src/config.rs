@@ -154,8 +154,12 @@ pub struct Args {
     /// Key of --node-client-cert.
     #[arg(long, default_value = "", help_heading = "Node capture (konnectivity-rs)")]
     pub node_client_key: String,
-    /// Unix socket the konnectivity-cni plugin talks to; empty turns pod capture off.
-    #[arg(long, default_value = "", help_heading = "Pod capture (konnectivity-rs)")]
+    /// Unix socket the konnectivity-cni plugin talks to; empty (the default) turns pod capture
+    /// off, and the flag without a value means /var/run/konnectivity/cni.sock, install-cni's
+    /// --agent-socket default. The two must name the same socket.
+    #[arg(long, default_value = "", num_args = 0..=1, require_equals = true,
+          default_missing_value = konnectivity_cni::config::DEFAULT_AGENT_SOCKET,
+          help_heading = "Pod capture (konnectivity-rs)")]
     pub cni_socket: String,
     /// Where the agent records captured pods, to re-open them after a restart.
     #[arg(
@@ -190,7 +194,8 @@ pub struct InstallCniArgs {
     /// The plugin binary to install (default: konnectivity-cni next to this binary).
     #[arg(long)]
     pub plugin_binary: Option<std::path::PathBuf>,
-    /// The agent's --cni-socket, written into the plugin's configuration.
+    /// The agent's --cni-socket, written into the plugin's configuration; the
+    /// two must name the same socket (a bare --cni-socket means this default).
     #[arg(long, default_value = konnectivity_cni::config::DEFAULT_AGENT_SOCKET)]
     pub agent_socket: String,
     /// Namespaces whose pods are not captured, comma-separated.

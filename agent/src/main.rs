@@ -78,7 +78,10 @@ fn main() -> anyhow::Result<()> {
         // listener, a certificate, the capture rules): one line, status 2,
         // as for a bad flag.
         let text = konnectivity_plumbing::error_chain(error.as_ref());
-        tracing::error!(error = %text, "proxy-agent stopped");
+        // The log file (if any) records why; standard error gets the one line.
+        if !args.klog.log_file.is_empty() {
+            tracing::error!(error = %text, "proxy-agent stopped");
+        }
         eprintln!("proxy-agent: {text}");
         std::process::exit(2);
     }

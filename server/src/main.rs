@@ -38,7 +38,10 @@ fn main() -> anyhow::Result<()> {
         let starting = error
             .downcast_ref::<konnectivity_server::ServeError>()
             .is_some_and(konnectivity_server::ServeError::at_start_up);
-        tracing::error!(error = %konnectivity_plumbing::error_chain(error.as_ref()), "proxy-server stopped");
+        // The log file (if any) records why; standard error gets the one line.
+        if !args.klog.log_file.is_empty() {
+            tracing::error!(error = %konnectivity_plumbing::error_chain(error.as_ref()), "proxy-server stopped");
+        }
         eprintln!(
             "proxy-server: {}",
             konnectivity_plumbing::error_chain(error.as_ref())

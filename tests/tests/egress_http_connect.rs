@@ -512,3 +512,30 @@ async fn backend_dial_timeout_answers_504_and_cancels_the_agents_dial() {
         Some(1.0)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_test_client_fetches_and_tells_the_status_line_from_the_servers_words() {
+    let setup = setup(true, &[]).await;
+    let page = targets::http("through the tunnel").await;
+    let client = |port: u16| {
+        std::process::Command::new(support::procs::bin("proxy-test-client"))
+            .args(["--mode=http-connect", "--request-host=127.0.0.1"])
+            .arg(format!("--proxy-uds={}", setup.server.uds_path().display()))
+            .arg(format!("--request-port={port}"))
+            .output()
+            .unwrap()
+    };
+    let fetched = client(page.addr.port());
+    assert!(fetched.status.success(), "{fetched:?}");
+    assert!(String::from_utf8_lossy(&fetched.stdout).ends_with("through the tunnel"));
+
+    let closed_port = support::free_port();
+    let refused = client(closed_port);
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let expected = format!(
+        "CONNECT refused with \"HTTP/1.1 502 Bad Gateway\": dial to 127.0.0.1:{closed_port} failed: \
+         dial tcp 127.0.0.1:{closed_port}: connect: connection refused"
+    );
+    assert!(stderr.contains(&expected), "{stderr}");
+}

@@ -154,3 +154,88 @@ fn invalid_agent_flags_exit_2_naming_the_flag() {
         );
     }
 }
+
+#[test]
+fn konnectivity_cni_run_by_hand_says_what_it_is() {
+    // --help: the usage, on stdout, status 0.
+    let help = Command::new(bin("konnectivity-cni"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert_eq!(help.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        text.contains("CNI_COMMAND") && text.contains("install-cni"),
+        "{text}"
+    );
+
+    // No CNI_COMMAND (and stdin left open, as at a terminal): the spec's
+    // JSON error on stdout, ending with a newline, the usage on stderr, and
+    // no wait for input.
+    let mut child = Command::new(bin("konnectivity-cni"))
+        .env_remove("CNI_COMMAND")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _stdin = child.stdin.take();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("konnectivity-cni waited for a configuration on stdin");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.ends_with("}\n"), "{stdout:?}");
+    let error: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(error["code"], 4, "{error}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("run by the container runtime"));
+
+    // VERSION, as a runtime asks: JSON on one line.
+    let version = Command::new(bin("konnectivity-cni"))
+        .env("CNI_COMMAND", "VERSION")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(version.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&version.stdout);
+    assert!(
+        text.ends_with("}\n") && text.contains("supportedVersions"),
+        "{text:?}"
+    );
+    assert!(version.stderr.is_empty(), "a runtime's call gets no usage text");
+}
+
+#[test]
+fn a_missing_socket_directory_stops_start_up_with_one_line_naming_the_flag() {
+    let pki_dir = support::TempDir::new("konn-flags");
+    let pki = support::certs::Pki::new(pki_dir.path());
+    let args = [
+        "--uds-name=/nonexistent-konnectivity/konnectivity-server.socket".to_owned(),
+        "--server-port=0".to_owned(),
+        format!("--agent-port={}", support::free_port()),
+        format!("--health-port={}", support::free_port()),
+        format!("--cluster-cert={}", pki.server.cert.display()),
+        format!("--cluster-key={}", pki.server.key.display()),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, stderr) = run("proxy-server", &args);
+    assert_eq!(code, Some(2), "{stderr}");
+    // The start-up lines before it are logs; the error is one line of its own.
+    let last = stderr.lines().last().unwrap_or_default();
+    assert_eq!(stderr.matches("does not exist").count(), 1, "{stderr}");
+    assert!(last.starts_with("proxy-server: --uds-name"), "{stderr}");
+    assert!(
+        last.contains("/nonexistent-konnectivity does not exist"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        "{stderr}"
+    );
+}

@@ -4,8 +4,10 @@
 //!
 //! Kubelet and containerd use the lexically first configuration file in the
 //! directory, so that is the one we extend; a lone `.conf` is wrapped into a
-//! `.conflist`. A primary CNI that rewrites its file drops our entry; running
-//! the install again (or `--watch`) puts it back.
+//! `.conflist`, its original bytes kept beside it (a hidden file no runtime
+//! reads) so that uninstalling restores it exactly. A primary CNI that
+//! rewrites its file drops our entry; running the install again (or
+//! `--watch`) puts it back.
 
 use std::path::{Path, PathBuf};
 
@@ -130,15 +132,37 @@ pub fn install_config(conf_dir: &Path, ours: &Value) -> Result<Outcome, InstallE
         Ok(Outcome::Written(path))
     } else {
         let list = path.with_extension("conflist");
+        write_atomically(&original_of(&list), &text)?;
         write_atomically(&list, &bytes)?;
         std::fs::remove_file(&path).map_err(io_error(&path))?;
         Ok(Outcome::Written(list))
     }
 }
 
-/// Removes our entry from the primary configuration and our binary.
+/// Where the original of a `.conf` we wrapped into `list` is kept.
+fn original_of(list: &Path) -> PathBuf {
+    let name = list.with_extension("conf");
+    let name = name.file_name().and_then(|n| n.to_str()).unwrap_or("config.conf");
+    list.with_file_name(format!(".{name}.konnectivity-original"))
+}
+
+/// Removes our entry from the primary configuration (a `.conf` we wrapped
+/// comes back byte for byte) and our binary.
 pub fn uninstall(conf_dir: &Path, bin_dir: &Path) -> Result<(), InstallError> {
-    if let Ok(path) = primary_config(conf_dir) {
+    let primary = primary_config(conf_dir).ok();
+    let wrapped = primary.as_ref().map(|path| path.with_extension("conflist"));
+    if let (Some(primary), Some(list)) = (&primary, &wrapped)
+        && let original = original_of(list)
+        && let Ok(bytes) = std::fs::read(&original)
+    {
+        // Our .conflist is the primary: the original comes back. Or the
+        // primary CNI wrote its .conf again since: ours is stale, and goes.
+        if primary == list {
+            write_atomically(&list.with_extension("conf"), &bytes)?;
+        }
+        std::fs::remove_file(list).map_err(io_error(list))?;
+        std::fs::remove_file(&original).map_err(io_error(&original))?;
+    } else if let Some(path) = primary {
         let text = std::fs::read(&path).map_err(io_error(&path))?;
         if let Ok(mut config) = serde_json::from_slice::<Value>(&text)
             && let Some(plugins) = config.get_mut("plugins").and_then(Value::as_array_mut)
@@ -302,6 +326,39 @@ mod tests {
         assert_eq!(after["plugins"][0]["type"], "bridge");
         assert_eq!(after["plugins"][1], ours());
         assert_eq!(install_config(&dir.0, &ours()).unwrap(), Outcome::Unchanged(list));
+    }
+
+    #[test]
+    fn uninstall_restores_a_wrapped_conf_byte_for_byte() {
+        let dir = Dir::new("unwrap");
+        let bin_dir = Dir::new("unwrap-bin");
+        // Keys in no sorted order, with the file's own spacing.
+        let original = "{\n  \"type\": \"bridge\",\n  \"name\": \"podnet\",\n  \"cniVersion\": \"0.4.0\",\n  \"ipam\": {\"type\": \"host-local\"}\n}\n";
+        let conf = dir.0.join("10-bridge.conf");
+        std::fs::write(&conf, original).unwrap();
+        install_config(&dir.0, &ours()).unwrap();
+        assert!(!conf.exists());
+        uninstall(&dir.0, &bin_dir.0).unwrap();
+        assert_eq!(std::fs::read_to_string(&conf).unwrap(), original);
+        let left: Vec<_> = std::fs::read_dir(&dir.0)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, ["10-bridge.conf"], "nothing of ours is left behind");
+
+        // The primary CNI rewrote its .conf after the wrap: that one stays.
+        install_config(&dir.0, &ours()).unwrap();
+        let rewritten = "{\"cniVersion\": \"1.0.0\", \"name\": \"podnet\", \"type\": \"bridge\"}\n";
+        std::fs::write(&conf, rewritten).unwrap();
+        uninstall(&dir.0, &bin_dir.0).unwrap();
+        assert_eq!(std::fs::read_to_string(&conf).unwrap(), rewritten);
+        let left: Vec<_> = std::fs::read_dir(&dir.0)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, ["10-bridge.conf"], "the stale wrap is gone");
     }
 
     #[test]

@@ -16,7 +16,13 @@ enum Mode {
 }
 
 #[derive(Parser, Debug)]
-#[command(name = "proxy-test-client", version, about)]
+#[command(
+    name = "proxy-test-client",
+    version,
+    about = "Fetches one URL path through a proxy-server, as upstream's test client does: over gRPC \
+             (ProxyService) or HTTP CONNECT, on the server's Unix socket or on TCP with mTLS; prints \
+             the HTTP response"
+)]
 struct Args {
     /// How to talk to the proxy-server.
     #[arg(long, value_enum, default_value = "grpc")]
@@ -24,23 +30,28 @@ struct Args {
     /// The server's Unix socket; when empty, TCP to --proxy-host:--proxy-port with mTLS.
     #[arg(long, default_value = "")]
     proxy_uds: String,
+    /// The server's frontend host (TCP).
     #[arg(long, default_value = "localhost")]
     proxy_host: String,
+    /// The server's frontend port (TCP: its --server-port).
     #[arg(long, default_value_t = 8090)]
     proxy_port: u16,
     /// CA of the server's certificate (TCP only).
     #[arg(long, default_value = "")]
     ca_cert: String,
-    /// Client certificate and key (TCP only).
+    /// Client certificate (TCP only).
     #[arg(long, default_value = "")]
     client_cert: String,
+    /// Key of --client-cert.
     #[arg(long, default_value = "")]
     client_key: String,
-    /// Where to fetch from, as seen by the agent.
+    /// The host to fetch from, as the agent resolves it.
     #[arg(long, default_value = "localhost")]
     request_host: String,
+    /// The port to fetch from.
     #[arg(long, default_value_t = 8000)]
     request_port: u16,
+    /// The path to GET.
     #[arg(long, default_value = "/")]
     request_path: String,
 }
@@ -108,10 +119,11 @@ async fn http_connect<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, target: 
     if !head.starts_with(b"HTTP/1.1 200") {
         let mut body = Vec::new();
         let _ = stream.read_to_end(&mut body).await;
+        // The status line and the server's explanation, told apart.
         bail!(
-            "CONNECT refused: {}{}",
+            "CONNECT refused with {:?}: {}",
             String::from_utf8_lossy(&head).lines().next().unwrap_or_default(),
-            String::from_utf8_lossy(&body)
+            String::from_utf8_lossy(&body).trim_end()
         );
     }
     Ok(stream)

@@ -17,6 +17,16 @@ pub fn bind_uds(path: &Path, delete_existing: bool) -> Result<UnixListener, Serv
         addr: path.display().to_string(),
         source,
     };
+    if let Some(directory) = path.parent().filter(|dir| !dir.as_os_str().is_empty())
+        && !directory.is_dir()
+    {
+        return Err(ServeError::Config(format!(
+            "--uds-name {}: the directory {} does not exist; create it (kube-apiserver's and the \
+             server's manifests mount it as a hostPath of type DirectoryOrCreate)",
+            path.display(),
+            directory.display()
+        )));
+    }
     if delete_existing && path.exists() {
         std::fs::remove_file(path).map_err(bind_error)?;
     }
