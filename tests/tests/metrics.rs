@@ -432,6 +432,30 @@ async fn every_family_reads_as_upstreams_to_gos_parser() {
         "open fds {fds}, /proc lists {listed}"
     );
     assert!(value(&server, "process_resident_memory_bytes") > 1e6);
+
+    // Ours: every tunnel's end, by reason, on both sides (docs/metrics.md),
+    // typed as counters with the one label key for Go's parser.
+    for (who, families, prefix) in [
+        ("proxy-server", &server_families, server_prefix),
+        ("proxy-agent", &agent_families, agent_prefix),
+    ] {
+        let ended = families
+            .iter()
+            .find(|f| f["name"] == format!("{prefix}tunnels_ended_total"))
+            .unwrap_or_else(|| panic!("{who}: no tunnels_ended_total"));
+        assert_eq!(ended["type"], "COUNTER", "{who}: {ended}");
+    }
+    for (text, prefix, reason, count) in [
+        (&server, server_prefix, "client_closed", 3.0),
+        (&server, server_prefix, "dial_failed", 1.0),
+        (&server, server_prefix, "dial_timeout", 1.0),
+        (&agent, agent_prefix, "server_closed", 3.0),
+        (&agent, agent_prefix, "dial_failed", 1.0),
+        (&agent, agent_prefix, "dial_cancelled", 1.0),
+    ] {
+        let series = format!(r#"{prefix}tunnels_ended_total{{reason="{reason}"}}"#);
+        assert_eq!(value(text, &series), count, "{series}");
+    }
 }
 
 /// The gRPC frontend's legs are counted as upstream's server counts them.
