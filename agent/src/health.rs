@@ -25,10 +25,10 @@ impl Endpoints for AgentEndpoints {
             "/readyz" => {
                 if self.draining.load(Ordering::Relaxed) {
                     Reply::text(StatusCode::SERVICE_UNAVAILABLE, "not ready: draining\n")
-                } else if self.node_readiness.as_ref().is_some_and(|node| !node.is_ready()) {
+                } else if let Some(node) = self.node_readiness.as_ref().filter(|node| !node.is_ready()) {
                     Reply::text(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        "not ready: capture rules or node tunnel not in place\n",
+                        format!("not ready: {}\n", node.problem()),
                     )
                 } else if self.metrics.open_server_connections.get() == 0 {
                     Reply::text(

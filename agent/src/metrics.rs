@@ -54,6 +54,8 @@ pub struct AgentMetrics {
     pub alive_tasks: Gauge,
     /// Not upstream's: captured connections being tunneled now.
     pub captured_connections_open: Gauge,
+    /// Not upstream's: whether the node tunnel answers its probes.
+    pub node_tunnel_up: Gauge,
     captured: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
     server_failures: Family<Labels, GoCounter>,
@@ -72,6 +74,7 @@ impl Default for AgentMetrics {
             dial_duration: Histogram::new(LATENCY_BUCKETS),
             alive_tasks: Gauge::default(),
             captured_connections_open: Gauge::default(),
+            node_tunnel_up: Gauge::default(),
             captured: Family::default(),
             dial_failures: Family::default(),
             server_failures: Family::default(),
@@ -131,6 +134,12 @@ impl Default for AgentMetrics {
                 "captured_connections_open",
                 "Captured node connections being tunneled now.",
                 metrics.captured_connections_open.clone(),
+            );
+            register(
+                registry,
+                "node_tunnel_up",
+                "1 while the node tunnel to the server's node frontend answers its probes, 0 while it does not (node role).",
+                metrics.node_tunnel_up.clone(),
             );
             register(
                 registry,

@@ -121,6 +121,20 @@ impl Tunnel {
         self
     }
 
+    /// Checks that the server still answers on this connection: opens a
+    /// `Proxy` stream that asks for nothing and waits, up to `timeout`, for
+    /// the server's response headers. It costs the server a stream that ends
+    /// at once, and no agent anything. Reconnects the channel if it had dropped.
+    pub async fn probe(&self, timeout: Duration) -> Result<(), DialError> {
+        let mut client = self.client.clone();
+        let call = client.proxy(tokio_stream::empty::<Packet>());
+        match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(_answered)) => Ok(()),
+            Ok(Err(status)) => Err(DialError::TunnelClosed(status.to_string())),
+            Err(_) => Err(DialError::Timeout(timeout)),
+        }
+    }
+
     /// Dials `address` (`host:port`) through the server and an agent.
     ///
     /// Dropping the returned future before it completes cancels the dial:

@@ -167,3 +167,50 @@ async fn a_restarted_agent_resumes_capturing_and_a_clean_shutdown_removes_the_ru
         "a clean shutdown must remove the konnectivity table"
     );
 }
+
+/// How long `/readyz` may take to follow the node tunnel, either way.
+const READINESS_BOUND: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_readiness_follows_the_node_tunnel() {
+    if !root_or_skip("node_readiness_follows_the_node_tunnel") {
+        return;
+    }
+    let topology = build(false).await;
+    let _agent = topology.start_node_agent(&[]);
+    topology.wait_node_ready().await;
+    let up = "konnectivity_network_proxy_agent_node_tunnel_up";
+    assert_eq!(topology.node.metric(NODE_AGENT_HEALTH, up), Some(1.0));
+
+    // Cut the node tunnel alone (the agent's own stream to the agent port
+    // stays up): the node namespace drops everything to the node frontend.
+    let cut = topology.node.sh(&format!(
+        "nft add table inet cut && nft add chain inet cut out '{{ type filter hook output priority 0; }}' \
+         && nft add rule inet cut out tcp dport {NODE_FRONTEND_PORT} drop"
+    ));
+    assert!(cut.status.success(), "{}", text(&cut));
+    let node = &topology.node;
+    let started = std::time::Instant::now();
+    support::wait_until(READINESS_BOUND, "/readyz to turn 503", || async {
+        node.http_get(NODE_AGENT_HEALTH, "/readyz").0 == 503
+    })
+    .await;
+    let (_, body) = node.http_get(NODE_AGENT_HEALTH, "/readyz");
+    assert!(body.contains("node tunnel down"), "{body}");
+    assert_eq!(node.metric(NODE_AGENT_HEALTH, up), Some(0.0));
+    eprintln!("503 after {:?}", started.elapsed());
+
+    // The path comes back: ready again, and captured connections flow.
+    let restored = node.sh("nft delete table inet cut");
+    assert!(restored.status.success(), "{}", text(&restored));
+    let started = std::time::Instant::now();
+    support::wait_until(READINESS_BOUND, "/readyz to turn 200 again", || async {
+        node.http_get(NODE_AGENT_HEALTH, "/readyz").0 == 200
+    })
+    .await;
+    eprintln!("200 after {:?}", started.elapsed());
+    assert_eq!(node.metric(NODE_AGENT_HEALTH, up), Some(1.0));
+    let version = topology.version_through_vip();
+    assert!(version.status.success(), "{}", text(&version));
+    assert_eq!(String::from_utf8_lossy(&version.stdout), VERSION_BODY);
+}

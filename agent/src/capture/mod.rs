@@ -59,18 +59,57 @@ pub enum CaptureError {
     Pods(#[from] crate::cni::pods::PodError),
 }
 
-/// Readiness of the node role: rules installed and the tunnel connected.
+/// Readiness of the node role: rules installed and the tunnel answering.
 #[derive(Default)]
 pub struct NodeReadiness {
     pub rules_installed: AtomicBool,
     pub tunnel_connected: AtomicBool,
+    /// Why the tunnel is not answering, for `/readyz`.
+    tunnel_problem: std::sync::Mutex<String>,
 }
 
 impl NodeReadiness {
     pub fn is_ready(&self) -> bool {
         self.rules_installed.load(Ordering::Relaxed) && self.tunnel_connected.load(Ordering::Relaxed)
     }
+
+    /// What is missing, in words, when not ready.
+    pub fn problem(&self) -> String {
+        if !self.rules_installed.load(Ordering::Relaxed) {
+            return "capture rules not installed yet".to_owned();
+        }
+        let problem = self
+            .tunnel_problem
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if problem.is_empty() {
+            "node tunnel not connected yet".to_owned()
+        } else {
+            format!("node tunnel down: {problem}")
+        }
+    }
+
+    fn tunnel_answered(&self, metrics: &AgentMetrics) {
+        self.tunnel_connected.store(true, Ordering::Relaxed);
+        metrics.node_tunnel_up.set(1);
+    }
+
+    fn tunnel_failed(&self, problem: String, metrics: &AgentMetrics) {
+        *self
+            .tunnel_problem
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = problem;
+        self.tunnel_connected.store(false, Ordering::Relaxed);
+        metrics.node_tunnel_up.set(0);
+    }
 }
+
+/// How often the node tunnel is probed, and how long an answer may take:
+/// a tunnel that stops answering is reported within about 3 s.
+const TUNNEL_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+const TUNNEL_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The longest wait between reconnection attempts of the node tunnel.
+const TUNNEL_RETRY_CAP: Duration = Duration::from_secs(3);
 
 /// Installs the rules, opens the capture listeners and keeps the node
 /// tunnel; runs until dropped. The rules stay when the process dies, so a
@@ -111,7 +150,7 @@ pub async fn run(
     let context = Arc::new(CaptureContext {
         map: settings.captures.clone(),
         tunnel: tunnel_rx,
-        metrics,
+        metrics: metrics.clone(),
     });
     let mut tasks = tokio::task::JoinSet::new();
     for listener in listeners {
@@ -137,40 +176,95 @@ pub async fn run(
         tracing::info!(socket = %cni.socket.display(), "CNI socket open");
         tasks.spawn(crate::cni::server::serve(socket, pods, readiness.clone()));
     }
-    tasks.spawn(keep_tunnel(settings, tunnel_tx, readiness));
+    tasks.spawn(keep_tunnel(settings, tunnel_tx, readiness, metrics));
     while tasks.join_next().await.is_some() {}
     Ok(())
 }
 
-/// Connects the node tunnel, retrying with the agent's backoff. Once made,
-/// the HTTP/2 channel re-establishes itself when the connection drops.
+/// Keeps the node tunnel for as long as the agent runs, so that readiness
+/// follows it: captured connections are reset while it is down, and
+/// `/readyz` says so. The tunnel is probed every second; one that stops
+/// answering is replaced by a new connection (the old one's TCP connection
+/// may sit in retransmission backoff long after the path is back), retried
+/// with the agent's backoff, capped so recovery is seen within seconds.
 async fn keep_tunnel(
     settings: NodeSettings,
     tunnel: watch::Sender<Option<Tunnel>>,
     readiness: Arc<NodeReadiness>,
+    metrics: Arc<AgentMetrics>,
 ) {
-    let mut backoff = Backoff::new(settings.sync_interval, settings.sync_interval_cap);
+    let mut backoff = Backoff::new(
+        settings.sync_interval,
+        settings.sync_interval_cap.min(TUNNEL_RETRY_CAP),
+    );
+    let mut current: Option<Tunnel> = None;
     loop {
-        match Tunnel::connect_tls_marked(
-            &settings.server_host,
-            settings.node_frontend_port,
-            settings.tls.clone(),
-            Some(settings.mark),
-        )
-        .await
-        {
-            Ok(connected) => {
-                tracing::info!(server = %settings.server_host, port = settings.node_frontend_port, "node tunnel connected");
-                let _ = tunnel.send(Some(connected.with_dial_timeout(Duration::from_secs(10))));
-                readiness.tunnel_connected.store(true, Ordering::Relaxed);
-                return;
+        let was_up = readiness.tunnel_connected.load(Ordering::Relaxed);
+        let answer = match &current {
+            Some(connected) => connected
+                .probe(TUNNEL_PROBE_TIMEOUT)
+                .await
+                .map_err(|e| e.to_string()),
+            None => Err("not connected".to_owned()),
+        };
+        let answer = match answer {
+            Ok(()) => Ok(()),
+            Err(problem) => {
+                // Not ready from this moment; reconnecting may take a while.
+                if was_up {
+                    tracing::warn!(%problem, server = %settings.server_host, port = settings.node_frontend_port, "node tunnel stopped answering; captured connections are reset until it is back");
+                }
+                readiness.tunnel_failed(problem.clone(), &metrics);
+                match connect_tunnel(&settings).await {
+                    Ok(fresh) => {
+                        let _ = tunnel.send(Some(fresh.clone()));
+                        current = Some(fresh);
+                        Ok(())
+                    }
+                    // The probe's failure says what went wrong first.
+                    Err(error) if current.is_some() => Err(format!("{problem} (reconnecting: {error})")),
+                    Err(error) => Err(error),
+                }
             }
-            Err(error) => {
-                tracing::warn!(error = %konnectivity_plumbing::error_chain(&error), "cannot connect the node tunnel");
+        };
+        match answer {
+            Ok(()) => {
+                if !was_up {
+                    tracing::info!(server = %settings.server_host, port = settings.node_frontend_port, "node tunnel connected");
+                }
+                readiness.tunnel_answered(&metrics);
+                backoff.reset();
+                tokio::time::sleep(TUNNEL_PROBE_INTERVAL).await;
+            }
+            Err(problem) => {
+                if current.is_none() {
+                    tracing::warn!(%problem, server = %settings.server_host, port = settings.node_frontend_port, "cannot connect the node tunnel");
+                }
+                readiness.tunnel_failed(problem, &metrics);
+                tokio::time::sleep(backoff.next_delay()).await;
             }
         }
-        tokio::time::sleep(backoff.next_delay()).await;
     }
+}
+
+/// A new connection to the node frontend that has answered a probe.
+async fn connect_tunnel(settings: &NodeSettings) -> Result<Tunnel, String> {
+    let connect = Tunnel::connect_tls_marked(
+        &settings.server_host,
+        settings.node_frontend_port,
+        settings.tls.clone(),
+        Some(settings.mark),
+    );
+    let connected = match tokio::time::timeout(TUNNEL_PROBE_TIMEOUT, connect).await {
+        Ok(Ok(connected)) => connected.with_dial_timeout(Duration::from_secs(10)),
+        Ok(Err(error)) => return Err(konnectivity_plumbing::error_chain(&error)),
+        Err(_) => return Err(format!("no connection within {TUNNEL_PROBE_TIMEOUT:?}")),
+    };
+    connected
+        .probe(TUNNEL_PROBE_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(connected)
 }
 
 /// Removes the capture rules (clean shutdown).
