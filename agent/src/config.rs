@@ -135,6 +135,22 @@ pub struct Args {
     #[arg(long = "capture", value_name = "VIP:PORT=TARGET:PORT", value_parser = Capture::parse,
           action = ArgAction::Append, help_heading = "Node capture (konnectivity-rs)")]
     pub captures: Vec<Capture>,
+    /// Capture connections to TARGET:PORT from the service VIP the kubelet gives every pod
+    /// (KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT): the common case of --capture
+    /// with only the target, e.g. 10.222.1.10:6443.
+    #[arg(
+        long,
+        value_name = "TARGET:PORT",
+        help_heading = "Node capture (konnectivity-rs)"
+    )]
+    pub capture_target: Option<SocketAddr>,
+    /// Also capture connections addressed to each target itself, as eBPF service load
+    /// balancers (Cilium's socket-LB, Calico's eBPF data plane) send them: they rewrite the
+    /// VIP inside connect(), before any netfilter rule sees it.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "true", action = ArgAction::Set,
+          help_heading = "Node capture (konnectivity-rs)")]
+    pub capture_endpoints: bool,
     /// Port of the capture listener on 127.0.0.1 (and ::1) that the rules redirect to.
     #[arg(
         long,
@@ -370,8 +386,46 @@ impl Config {
     }
 }
 
+/// The `--capture` entry `--capture-target` stands for: the kubelet's
+/// service environment gives the VIP.
+fn capture_from_environment(
+    target: SocketAddr,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Capture, ConfigError> {
+    let missing = |name: &str| {
+        invalid(
+            "capture-target",
+            format!(
+                "takes the VIP from {name}, which is not set (the kubelet sets it in every pod; \
+                 elsewhere use --capture=VIP:PORT=TARGET:PORT)"
+            ),
+        )
+    };
+    let host = env("KUBERNETES_SERVICE_HOST").ok_or_else(|| missing("KUBERNETES_SERVICE_HOST"))?;
+    let port = env("KUBERNETES_SERVICE_PORT").ok_or_else(|| missing("KUBERNETES_SERVICE_PORT"))?;
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    Capture::parse(&format!("{host}:{port}={target}")).map_err(|problem| {
+        invalid(
+            "capture-target",
+            format!("from the kubelet's service environment: {problem}"),
+        )
+    })
+}
+
 fn node_config(args: &Args) -> Result<Option<NodeConfig>, ConfigError> {
-    if args.captures.is_empty() {
+    let mut captures = args.captures.clone();
+    if let Some(target) = args.capture_target {
+        captures.push(capture_from_environment(target, |name| std::env::var(name).ok())?);
+    }
+    node_config_for(args, captures)
+}
+
+fn node_config_for(args: &Args, captures: Vec<Capture>) -> Result<Option<NodeConfig>, ConfigError> {
+    if captures.is_empty() {
         if !args.cni_socket.is_empty() {
             return Err(invalid(
                 "cni-socket",
@@ -380,7 +434,8 @@ fn node_config(args: &Args) -> Result<Option<NodeConfig>, ConfigError> {
         }
         return Ok(None);
     }
-    let captures = CaptureMap::new(args.captures.clone()).map_err(|message| invalid("capture", message))?;
+    let captures =
+        CaptureMap::new(captures, args.capture_endpoints).map_err(|message| invalid("capture", message))?;
     if args.node_frontend_port == 0 {
         return Err(invalid("node-frontend-port", "must be set with --capture"));
     }
@@ -484,6 +539,30 @@ mod tests {
             let problems = konnectivity_plumbing::klog::help_problems(sub, &[]);
             assert!(problems.is_empty(), "{}: {problems:#?}", sub.get_name());
         }
+    }
+
+    #[test]
+    fn capture_target_takes_the_vip_from_the_kubelets_environment() {
+        let target: SocketAddr = "10.222.1.10:6443".parse().unwrap();
+        let env = |host: &'static str| {
+            move |name: &str| match name {
+                "KUBERNETES_SERVICE_HOST" => Some(host.to_owned()),
+                "KUBERNETES_SERVICE_PORT" => Some("443".to_owned()),
+                _ => None,
+            }
+        };
+        let v4 = capture_from_environment(target, env("10.96.0.1")).unwrap();
+        assert_eq!(v4.destination, "10.96.0.1:443".parse().unwrap());
+        assert_eq!(v4.target, target);
+        let v6 = capture_from_environment(target, env("fd00:96::1")).unwrap();
+        assert_eq!(v6.destination, "[fd00:96::1]:443".parse().unwrap());
+        let error = capture_from_environment(target, |_| None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("--capture-target") && error.contains("KUBERNETES_SERVICE_HOST"),
+            "{error}"
+        );
     }
 
     #[test]

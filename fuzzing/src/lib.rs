@@ -78,7 +78,7 @@ pub fn agent_identifiers(data: &[u8]) {
 pub fn capture(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     if let Ok(parsed) = Capture::parse(&text) {
-        let printed = format!("{}={}", parsed.vip, parsed.target);
+        let printed = format!("{}={}", parsed.destination, parsed.target);
         assert_eq!(Capture::parse(&printed), Ok(parsed), "{printed:?}");
     }
 }

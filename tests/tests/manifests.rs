@@ -471,8 +471,17 @@ fn node_to_kas_pieces_agree_with_each_other() {
         assert_eq!(install.args.first().map(String::as_str), Some("install-cni"));
         assert_eq!(install.flag("agent-socket"), node.flag("cni-socket"), "{base}");
         // Every capture target is a destination the server lets nodes dial.
-        for capture in node.args.iter().filter_map(|a| a.strip_prefix("--capture=")) {
-            let (_, target) = capture.split_once('=').unwrap();
+        let targets: Vec<&str> = node
+            .args
+            .iter()
+            .filter_map(|a| {
+                a.strip_prefix("--capture=")
+                    .map(|capture| capture.split_once('=').unwrap().1)
+                    .or_else(|| a.strip_prefix("--capture-target="))
+            })
+            .collect();
+        assert!(!targets.is_empty(), "{base}: the node agent captures nothing");
+        for target in targets {
             assert!(
                 allowed.split(',').any(|a| a == target),
                 "{base}: {target} not in {allowed}"

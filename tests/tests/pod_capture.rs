@@ -219,6 +219,14 @@ async fn pods_reach_the_api_server(binaries: Binaries) {
     let version = curl_from_pod(&topology, &pod);
     assert!(version.status.success(), "{}", text(&version));
     assert_eq!(String::from_utf8_lossy(&version.stdout), VERSION_BODY);
+    // A pod whose connect() an eBPF load balancer rewrote to the endpoint
+    // (Cilium's socket-LB in pods) is captured all the same.
+    let endpoint = pod.sh(&format!(
+        "curl -sS --max-time 10 --cacert {} https://{KAS}/version",
+        topology.pki.ca.display()
+    ));
+    assert!(endpoint.status.success(), "{}", text(&endpoint));
+    assert_eq!(String::from_utf8_lossy(&endpoint.stdout), VERSION_BODY);
 
     let check = runtime.check_ours("pod-1", &pod, &result);
     assert!(check.status.success(), "CHECK: {}", text(&check));

@@ -1,5 +1,10 @@
 //! The capture map (`--capture VIP:PORT=TARGET:PORT`): which original
 //! destinations the node agent captures, and where each is tunneled.
+//!
+//! Each target is captured too, as itself: eBPF service load balancers
+//! (Cilium's socket-LB, Calico's eBPF data plane) rewrite the VIP to the
+//! endpoint inside `connect()`, before any netfilter hook, so the first
+//! packet the rules see is already addressed to the API server's endpoint.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -18,8 +23,9 @@ impl fmt::Display for OrigDst {
 /// One `--capture` entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Capture {
-    /// What local processes connect to (the service VIP and port).
-    pub vip: SocketAddr,
+    /// What local processes connect to: the service VIP and port, or the
+    /// endpoint itself when something rewrote the VIP before our rules.
+    pub destination: SocketAddr,
     /// What the control-plane agent dials for them (the API server endpoint).
     pub target: SocketAddr,
 }
@@ -36,13 +42,13 @@ impl Capture {
                 .map_err(|_| format!("{text:?}: {what} {part:?} is not IP:PORT ([IPv6]:PORT)"))
         };
         let capture = Capture {
-            vip: address(vip, "VIP")?,
+            destination: address(vip, "VIP")?,
             target: address(target, "target")?,
         };
-        if capture.vip.port() == 0 || capture.target.port() == 0 {
+        if capture.destination.port() == 0 || capture.target.port() == 0 {
             return Err(format!("{text:?}: ports must not be 0"));
         }
-        if capture.vip.ip().is_unspecified() || capture.vip.ip().is_loopback() {
+        if capture.destination.ip().is_unspecified() || capture.destination.ip().is_loopback() {
             return Err(format!(
                 "{text:?}: the VIP must be a specific, non-loopback address"
             ));
@@ -56,13 +62,26 @@ impl Capture {
 pub struct CaptureMap(Vec<Capture>);
 
 impl CaptureMap {
-    pub fn new(captures: Vec<Capture>) -> Result<CaptureMap, String> {
+    /// The map of `captures`; with `endpoints`, each target is captured as
+    /// itself too (unless it is a captured VIP already).
+    pub fn new(captures: Vec<Capture>, endpoints: bool) -> Result<CaptureMap, String> {
         for (i, capture) in captures.iter().enumerate() {
-            if captures[..i].iter().any(|c| c.vip == capture.vip) {
-                return Err(format!("VIP {} is captured twice", capture.vip));
+            if captures[..i].iter().any(|c| c.destination == capture.destination) {
+                return Err(format!("VIP {} is captured twice", capture.destination));
             }
         }
-        Ok(CaptureMap(captures))
+        let mut all = captures.clone();
+        if endpoints {
+            for capture in &captures {
+                if !all.iter().any(|c| c.destination == capture.target) {
+                    all.push(Capture {
+                        destination: capture.target,
+                        target: capture.target,
+                    });
+                }
+            }
+        }
+        Ok(CaptureMap(all))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -77,7 +96,7 @@ impl CaptureMap {
     /// capture (a stale rule, or a redirect by someone else): such a
     /// connection is closed, never forwarded.
     pub fn target_for(&self, orig: OrigDst) -> Option<SocketAddr> {
-        self.0.iter().find(|c| c.vip == orig.0).map(|c| c.target)
+        self.0.iter().find(|c| c.destination == orig.0).map(|c| c.target)
     }
 }
 
@@ -88,10 +107,10 @@ mod tests {
     #[test]
     fn parses_ipv4_and_ipv6_captures() {
         let v4 = Capture::parse("10.96.0.1:443=10.222.1.10:6443").unwrap();
-        assert_eq!(v4.vip, "10.96.0.1:443".parse().unwrap());
+        assert_eq!(v4.destination, "10.96.0.1:443".parse().unwrap());
         assert_eq!(v4.target, "10.222.1.10:6443".parse().unwrap());
         let v6 = Capture::parse("[fd00:10:96::1]:443=[fd00:222::10]:6443").unwrap();
-        assert_eq!(v6.vip.port(), 443);
+        assert_eq!(v6.destination.port(), 443);
     }
 
     #[test]
@@ -111,7 +130,11 @@ mod tests {
 
     #[test]
     fn looks_up_targets_by_original_destination_only() {
-        let map = CaptureMap::new(vec![Capture::parse("10.96.0.1:443=10.222.1.10:6443").unwrap()]).unwrap();
+        let map = CaptureMap::new(
+            vec![Capture::parse("10.96.0.1:443=10.222.1.10:6443").unwrap()],
+            false,
+        )
+        .unwrap();
         let hit = OrigDst("10.96.0.1:443".parse().unwrap());
         assert_eq!(map.target_for(hit), Some("10.222.1.10:6443".parse().unwrap()));
         assert_eq!(map.target_for(OrigDst("10.96.0.1:80".parse().unwrap())), None);
@@ -124,6 +147,28 @@ mod tests {
             Capture::parse("10.96.0.1:443=10.0.0.1:1").unwrap(),
             Capture::parse("10.96.0.1:443=10.0.0.2:1").unwrap(),
         ];
-        assert!(CaptureMap::new(twice).unwrap_err().contains("10.96.0.1:443"));
+        assert!(
+            CaptureMap::new(twice, true)
+                .unwrap_err()
+                .contains("10.96.0.1:443")
+        );
+    }
+
+    #[test]
+    fn each_target_is_captured_as_itself_too() {
+        let captures = vec![
+            Capture::parse("10.96.0.1:443=10.222.1.10:6443").unwrap(),
+            Capture::parse("[fd00:96::1]:443=10.222.1.10:6443").unwrap(),
+        ];
+        let map = CaptureMap::new(captures, true).unwrap();
+        let endpoint: SocketAddr = "10.222.1.10:6443".parse().unwrap();
+        assert_eq!(map.target_for(OrigDst(endpoint)), Some(endpoint));
+        assert_eq!(map.entries().len(), 3, "one endpoint entry for two VIPs: {map:?}");
+        let without = CaptureMap::new(
+            vec![Capture::parse("10.96.0.1:443=10.222.1.10:6443").unwrap()],
+            false,
+        )
+        .unwrap();
+        assert_eq!(without.target_for(OrigDst(endpoint)), None);
     }
 }

@@ -125,7 +125,12 @@ pub async fn run(
         IpAddr::V4(Ipv4Addr::LOCALHOST),
         settings.capture_port,
     )];
-    if settings.captures.entries().iter().any(|c| c.vip.is_ipv6()) {
+    if settings
+        .captures
+        .entries()
+        .iter()
+        .any(|c| c.destination.is_ipv6())
+    {
         addrs.push(SocketAddr::new(
             IpAddr::V6(Ipv6Addr::LOCALHOST),
             settings.capture_port,
@@ -161,7 +166,11 @@ pub async fn run(
             PodSettings {
                 ruleset: nft::render(&settings.captures, settings.capture_port, settings.mark),
                 capture_port: settings.capture_port,
-                ipv6: settings.captures.entries().iter().any(|c| c.vip.is_ipv6()),
+                ipv6: settings
+                    .captures
+                    .entries()
+                    .iter()
+                    .any(|c| c.destination.is_ipv6()),
                 state_dir: cni.state_dir.clone(),
                 // The agent runs in the host's network namespace (hostNetwork).
                 host_netns: "/proc/self/ns/net".into(),

@@ -30,14 +30,14 @@ pub enum NftError {
 pub fn render(map: &CaptureMap, capture_port: u16, mark: u32) -> String {
     let mut rules = String::new();
     for capture in map.entries() {
-        let family = match capture.vip {
+        let family = match capture.destination {
             SocketAddr::V4(_) => "ip",
             SocketAddr::V6(_) => "ip6",
         };
         rules.push_str(&format!(
             "    {family} daddr {} tcp dport {} redirect to :{capture_port}\n",
-            capture.vip.ip(),
-            capture.vip.port()
+            capture.destination.ip(),
+            capture.destination.port()
         ));
     }
     format!(
@@ -78,8 +78,11 @@ pub fn is_installed(map: &CaptureMap, capture_port: u16) -> bool {
     let listed = String::from_utf8_lossy(&output.stdout);
     output.status.success()
         && map.entries().iter().all(|capture| {
-            listed.contains(&format!("{} tcp dport {}", capture.vip.ip(), capture.vip.port()))
-                && listed.contains(&format!("redirect to :{capture_port}"))
+            listed.contains(&format!(
+                "{} tcp dport {}",
+                capture.destination.ip(),
+                capture.destination.port()
+            )) && listed.contains(&format!("redirect to :{capture_port}"))
         })
 }
 
@@ -116,10 +119,13 @@ mod tests {
 
     #[test]
     fn renders_one_atomic_transaction_with_our_table_only() {
-        let map = CaptureMap::new(vec![
-            Capture::parse("10.96.0.1:443=10.222.1.10:6443").unwrap(),
-            Capture::parse("[fd00:10:96::1]:443=[fd00:222::10]:6443").unwrap(),
-        ])
+        let map = CaptureMap::new(
+            vec![
+                Capture::parse("10.96.0.1:443=10.222.1.10:6443").unwrap(),
+                Capture::parse("[fd00:10:96::1]:443=[fd00:222::10]:6443").unwrap(),
+            ],
+            true,
+        )
         .unwrap();
         let expected = "\
 add table inet konnectivity
@@ -130,6 +136,8 @@ table inet konnectivity {
     meta mark 0x4b4e return
     ip daddr 10.96.0.1 tcp dport 443 redirect to :15443
     ip6 daddr fd00:10:96::1 tcp dport 443 redirect to :15443
+    ip daddr 10.222.1.10 tcp dport 6443 redirect to :15443
+    ip6 daddr fd00:222::10 tcp dport 6443 redirect to :15443
   }
 }
 ";

@@ -126,6 +126,12 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
     // The VIP is routable from the node (as kube-proxy's service range is);
     // the API server's private address is not.
     node.ip(&["route", "add", "10.96.0.0/12", "dev", "veth0"]);
+    // A default route that leads nowhere (a gateway no one answers for), as
+    // a node's route to the outside does for a private endpoint: connect()
+    // to 10.222.1.10 passes routing (so an eBPF-rewritten connection reaches
+    // the output hook, as it does on a real node) and its packets vanish
+    // unless captured.
+    node.ip(&["route", "add", "default", "via", "10.222.0.254", "dev", "veth0"]);
     node.ip(&["addr", "add", "fd00:222::1/64", "dev", "veth0", "nodad"]);
     control_plane.ip(&["addr", "add", "fd00:222::2/64", "dev", "veth0", "nodad"]);
     node.ip(&["-6", "route", "add", "fd00:96::/108", "dev", "veth0"]);
