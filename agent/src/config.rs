@@ -177,6 +177,16 @@ pub struct Args {
           default_missing_value = konnectivity_cni::config::DEFAULT_AGENT_SOCKET,
           help_heading = "Pod capture (konnectivity-rs)")]
     pub cni_socket: String,
+    /// Where the container runtime pins pod network namespaces (containerd and CRI-O:
+    /// /var/run/netns). At start the agent captures every namespace there that is not the
+    /// host's, so pods that ran before it are captured too; only this directory is looked at.
+    /// Empty turns that off.
+    #[arg(
+        long,
+        default_value = "/var/run/netns",
+        help_heading = "Pod capture (konnectivity-rs)"
+    )]
+    pub pod_netns_dir: String,
     /// Where the agent records captured pods, to re-open them after a restart.
     #[arg(
         long,
@@ -455,6 +465,7 @@ fn node_config_for(args: &Args, captures: Vec<Capture>) -> Result<Option<NodeCon
     let cni = (!args.cni_socket.is_empty()).then(|| CniSettings {
         socket: args.cni_socket.clone().into(),
         state_dir: args.state_dir.clone().into(),
+        netns_dir: (!args.pod_netns_dir.is_empty()).then(|| args.pod_netns_dir.clone().into()),
     });
     if args.state_dir.is_empty() {
         return Err(invalid("state-dir", "must not be empty"));

@@ -157,9 +157,14 @@ impl<'a> Runtime<'a> {
 
 fn pod_agent_args(topology: &Topology) -> Vec<String> {
     let dir = topology.dir.path();
+    // The test's own pin directory: the machine's /var/run/netns holds other
+    // tests' namespaces, which are not pods and must never be enrolled.
+    let pins = dir.join("netns");
+    std::fs::create_dir_all(&pins).unwrap();
     vec![
         format!("--cni-socket={}", dir.join("cni.sock").display()),
         format!("--state-dir={}", dir.join("pods").display()),
+        format!("--pod-netns-dir={}", pins.display()),
     ]
 }
 
@@ -278,4 +283,69 @@ async fn a_restarted_agent_reopens_the_pod_listeners_it_recorded() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("the pod's capture did not come back: {}", text(&last.unwrap()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
+    if !root_or_skip("pods_that_ran_before_the_agent_are_captured_when_it_starts") {
+        return;
+    }
+    let topology = build(false).await;
+    let dir = topology.dir.path();
+    let runtime = Runtime::install(&topology);
+    let agent_args = pod_agent_args(&topology);
+
+    // The pod came up before konnectivity-cni was chained: the primary
+    // plugin alone set up its network, so nothing captures it yet.
+    let pod = Netns::bare("pod");
+    let added = runtime.exec(&runtime.plugins[0], "ADD", "pod-early", &pod, None);
+    assert!(added.status.success(), "bridge ADD: {}", text(&added));
+    // Its process keeps trying the API server through the VIP, as a
+    // controller does (bounded: 240 tries, 1 s each at most).
+    let answers = dir.join("early-answers");
+    let _client = pod.spawn_program(
+        "sh",
+        &[
+            "-c".to_owned(),
+            format!(
+                "for i in $(seq 1 240); do curl -s --max-time 1 --cacert {} https://{VIP}/version >> {}; sleep 0.25; done",
+                topology.pki.ca.display(),
+                answers.display()
+            ),
+        ],
+        dir,
+    );
+    // The runtime's pin of its namespace, in the directory the agent scans.
+    let pin = dir.join("netns").join(&pod.name);
+    std::os::unix::fs::symlink(format!("/var/run/netns/{}", pod.name), &pin).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        std::fs::read_to_string(&answers).unwrap_or_default().is_empty(),
+        "nothing answers the pod before the agent runs"
+    );
+
+    let _agent = topology.start_node_agent(&agent_args);
+    topology.wait_node_ready().await;
+    support::wait_until(
+        Duration::from_secs(10),
+        "the running pod's own requests to get through",
+        || async {
+            std::fs::read_to_string(&answers)
+                .unwrap_or_default()
+                .contains(VERSION_BODY)
+        },
+    )
+    .await;
+    let state = dir.join("pods").join(format!("netns-{}.json", pod.name));
+    assert!(state.is_file(), "recorded like any pod: {}", state.display());
+
+    // The pod goes away: its namespace is forgotten, its record removed.
+    drop(_client);
+    drop(pod);
+    support::wait_until(
+        Duration::from_secs(10),
+        "the gone pod's record to be removed",
+        || async { !state.exists() },
+    )
+    .await;
 }

@@ -42,7 +42,12 @@ pub struct NodeSettings {
 pub struct CniSettings {
     pub socket: std::path::PathBuf,
     pub state_dir: std::path::PathBuf,
+    /// `--pod-netns-dir`; `None` when empty.
+    pub netns_dir: Option<std::path::PathBuf>,
 }
+
+/// How often captured pods are checked for a namespace that went away.
+const POD_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
@@ -174,10 +179,19 @@ pub async fn run(
                 state_dir: cni.state_dir.clone(),
                 // The agent runs in the host's network namespace (hostNetwork).
                 host_netns: "/proc/self/ns/net".into(),
+                netns_dir: cni.netns_dir.clone(),
             },
             context.clone(),
         )?);
         pods.restore().await;
+        pods.enrol_existing().await;
+        let sweeping = pods.clone();
+        tasks.spawn(async move {
+            loop {
+                tokio::time::sleep(POD_SWEEP_INTERVAL).await;
+                sweeping.forget_gone();
+            }
+        });
         let socket = crate::cni::server::bind(&cni.socket).map_err(|source| CaptureError::CniSocket {
             path: cni.socket.display().to_string(),
             source,

@@ -17,7 +17,10 @@ use crate::sys::{self, in_netns};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
-    #[error("netns {0:?} is not a pod network namespace (expected /var/run/netns/NAME or /proc/PID/ns/net)")]
+    #[error(
+        "netns {0:?} is not a pod network namespace (expected /var/run/netns/NAME, /run/netns/NAME, \
+         a file in --pod-netns-dir or /proc/PID/ns/net)"
+    )]
     NetnsPath(String),
     #[error("netns {0:?} is the host's own network namespace; it is never touched")]
     HostNetns(String),
@@ -40,6 +43,10 @@ struct PodState {
 
 struct CapturedPod {
     state: PodState,
+    /// Device and inode of the namespace when it was captured: a path that
+    /// later names another namespace (a reused PID, a recreated pin) is not
+    /// this pod any more.
+    identity: (u64, u64),
     listeners: Vec<AbortHandle>,
 }
 
@@ -59,6 +66,15 @@ pub struct PodSettings {
     pub ipv6: bool,
     pub state_dir: PathBuf,
     pub host_netns: PathBuf,
+    /// `--pod-netns-dir`: where the runtime pins pod namespaces, enrolled
+    /// at start; `None` turns enrolment off.
+    pub netns_dir: Option<PathBuf>,
+}
+
+/// The device and inode of the namespace at `path` (following symlinks).
+fn namespace_identity(path: &Path) -> std::io::Result<(u64, u64)> {
+    let metadata = std::fs::metadata(path)?;
+    Ok((metadata.dev(), metadata.ino()))
 }
 
 pub struct Pods {
@@ -67,7 +83,19 @@ pub struct Pods {
     pods: Mutex<HashMap<String, CapturedPod>>,
 }
 
-fn validate(pod_netns: &str, container_id: &str, host_netns: &Path) -> Result<(), PodError> {
+fn validate(
+    pod_netns: &str,
+    container_id: &str,
+    host_netns: &Path,
+    netns_dir: Option<&Path>,
+) -> Result<(), PodError> {
+    let in_netns_dir = netns_dir.is_some_and(|dir| {
+        let path = Path::new(pod_netns);
+        path.parent() == Some(dir)
+            && path
+                .file_name()
+                .is_some_and(|n| !n.to_string_lossy().starts_with('.'))
+    });
     let is_proc = pod_netns
         .strip_prefix("/proc/")
         .and_then(|rest| rest.strip_suffix("/ns/net"))
@@ -77,7 +105,7 @@ fn validate(pod_netns: &str, container_id: &str, host_netns: &Path) -> Result<()
             .strip_prefix(prefix)
             .is_some_and(|n| !n.is_empty() && !n.contains('/'))
     });
-    if !(is_proc || is_named) {
+    if !(is_proc || is_named || in_netns_dir) {
         return Err(PodError::NetnsPath(pod_netns.to_owned()));
     }
     let same = match (std::fs::metadata(pod_netns), std::fs::metadata(host_netns)) {
@@ -118,7 +146,12 @@ impl Pods {
     /// Captures a pod: rules and listener inside its namespace, then the
     /// state file. Answered only when both are in place.
     pub async fn add(&self, pod: &Pod) -> Result<(), PodError> {
-        validate(&pod.netns, &pod.container_id, &self.settings.host_netns)?;
+        validate(
+            &pod.netns,
+            &pod.container_id,
+            &self.settings.host_netns,
+            self.settings.netns_dir.as_deref(),
+        )?;
         let state = PodState {
             container_id: pod.container_id.clone(),
             netns: pod.netns.clone(),
@@ -149,6 +182,7 @@ impl Pods {
             source,
         };
         let netns = PathBuf::from(&state.netns);
+        let identity = namespace_identity(&netns).map_err(setup_error)?;
         let listeners = tokio::task::spawn_blocking(move || {
             in_netns(&netns, move || {
                 // The loopback device carries the redirected connections.
@@ -176,6 +210,7 @@ impl Pods {
             state.container_id.clone(),
             CapturedPod {
                 state,
+                identity,
                 listeners: handles,
             },
         );
@@ -241,6 +276,76 @@ impl Pods {
         }
     }
 
+    /// Enrols the pods that were running before this agent (or before the
+    /// plugin was chained): every namespace pinned in `--pod-netns-dir` that
+    /// is not the host's and not captured yet gets the capture ADD would
+    /// give it, recorded like any pod (id `netns-NAME`). Only that directory
+    /// is looked at: a namespace elsewhere (another program's, a test's) may
+    /// not be a pod's, and is never touched.
+    pub async fn enrol_existing(&self) {
+        let Some(dir) = self.settings.netns_dir.clone() else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            tracing::debug!(dir = %dir.display(), "no pod network namespace directory");
+            return;
+        };
+        let captured: Vec<(u64, u64)> = self
+            .pods
+            .lock()
+            .expect("pods lock")
+            .values()
+            .map(|p| p.identity)
+            .collect();
+        let host = namespace_identity(&self.settings.host_netns).ok();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue;
+            }
+            let Ok(identity) = namespace_identity(&path) else {
+                continue;
+            };
+            if captured.contains(&identity) || Some(identity) == host {
+                continue;
+            }
+            let pod = Pod {
+                container_id: format!("netns-{name}"),
+                netns: path.display().to_string(),
+                ifname: "eth0".to_owned(),
+                ips: Vec::new(),
+                pod_namespace: String::new(),
+                pod_name: String::new(),
+            };
+            match self.add(&pod).await {
+                Ok(()) => {
+                    tracing::info!(netns = %path.display(), "enrolled a pod that was running before the agent")
+                }
+                Err(error) => {
+                    tracing::warn!(netns = %path.display(), %error, "could not enrol a running pod")
+                }
+            }
+        }
+    }
+
+    /// Forgets the pods whose namespace is gone, or whose path now names
+    /// another namespace.
+    pub fn forget_gone(&self) {
+        let gone: Vec<String> = self
+            .pods
+            .lock()
+            .expect("pods lock")
+            .iter()
+            .filter(|(_, pod)| namespace_identity(Path::new(&pod.state.netns)).ok() != Some(pod.identity))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            tracing::info!(container_id = %id, "the pod's network namespace is gone");
+            self.remove(&id);
+        }
+    }
+
     /// Re-opens every pod recorded in the state directory whose namespace
     /// still exists; drops the records of the others.
     pub async fn restore(&self) {
@@ -280,8 +385,8 @@ mod tests {
     #[test]
     fn only_pod_netns_paths_and_safe_ids_are_accepted() {
         let host = Path::new("/proc/self/ns/net");
-        assert!(validate("/var/run/netns/cni-1234", "abc123", host).is_ok());
-        assert!(validate("/proc/4242/ns/net", "abc", host).is_ok());
+        assert!(validate("/var/run/netns/cni-1234", "abc123", host, None).is_ok());
+        assert!(validate("/proc/4242/ns/net", "abc", host, None).is_ok());
         for bad in [
             "/etc/passwd",
             "/var/run/netns/../x",
@@ -290,17 +395,27 @@ mod tests {
             "/var/run/netns/",
         ] {
             assert!(
-                matches!(validate(bad, "abc", host), Err(PodError::NetnsPath(_))),
+                matches!(validate(bad, "abc", host, None), Err(PodError::NetnsPath(_))),
                 "{bad}"
             );
         }
         let own = format!("/proc/{}/ns/net", std::process::id());
+        let dir = Path::new("/srv/netns");
+        assert!(validate("/srv/netns/cni-1", "abc", host, Some(dir)).is_ok());
         assert!(matches!(
-            validate(&own, "abc", Path::new("/proc/self/ns/net")),
+            validate("/srv/netns/cni-1", "abc", host, None),
+            Err(PodError::NetnsPath(_))
+        ));
+        assert!(matches!(
+            validate("/srv/netns/.hidden", "abc", host, Some(dir)),
+            Err(PodError::NetnsPath(_))
+        ));
+        assert!(matches!(
+            validate(&own, "abc", Path::new("/proc/self/ns/net"), None),
             Err(PodError::HostNetns(_))
         ));
         assert!(matches!(
-            validate("/var/run/netns/x", "../../etc", host),
+            validate("/var/run/netns/x", "../../etc", host, None),
             Err(PodError::ContainerId(_))
         ));
     }
