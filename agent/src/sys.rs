@@ -6,22 +6,59 @@ use std::path::Path;
 
 use nix::sched::{CloneFlags, setns};
 
+/// A network namespace held open by a descriptor: entering it later enters
+/// this namespace, whatever its path names by then (a reused PID, a pin
+/// made anew), and it stays alive while held.
+#[derive(Clone, Debug)]
+pub struct NetnsHandle {
+    file: std::sync::Arc<File>,
+    identity: (u64, u64),
+}
+
+impl NetnsHandle {
+    /// Opens the namespace at `path` (a bind-mounted `/var/run/netns/NAME`
+    /// or `/proc/PID/ns/net`).
+    pub fn open(path: &Path) -> std::io::Result<NetnsHandle> {
+        use std::os::unix::fs::MetadataExt;
+        let file = File::open(path)?;
+        let metadata = file.metadata()?;
+        Ok(NetnsHandle {
+            file: std::sync::Arc::new(file),
+            identity: (metadata.dev(), metadata.ino()),
+        })
+    }
+
+    /// The namespace's device and inode, as `stat` of any path to it gives.
+    pub fn identity(&self) -> (u64, u64) {
+        self.identity
+    }
+
+    /// Runs `work` on a fresh thread that has entered the namespace.
+    /// Sockets it creates stay in that namespace after the thread ends;
+    /// child processes it spawns (nft) run in it too.
+    pub fn run<T, F>(&self, work: F) -> std::io::Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> std::io::Result<T> + Send + 'static,
+    {
+        let file = self.file.clone();
+        std::thread::spawn(move || {
+            setns(&*file, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
+            work()
+        })
+        .join()
+        .map_err(|_| std::io::Error::other("network namespace worker panicked"))?
+    }
+}
+
 /// Runs `work` on a fresh thread that has entered the network namespace at
-/// `netns` (a bind-mounted `/var/run/netns/NAME` or `/proc/PID/ns/net`).
-/// Sockets it creates stay in that namespace after the thread ends; child
-/// processes it spawns (nft) run in it too.
+/// `netns`, as [`NetnsHandle::run`].
 pub fn in_netns<T, F>(netns: &Path, work: F) -> std::io::Result<T>
 where
     T: Send + 'static,
     F: FnOnce() -> std::io::Result<T> + Send + 'static,
 {
-    let file = File::open(netns)?;
-    std::thread::spawn(move || {
-        setns(&file, CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
-        work()
-    })
-    .join()
-    .map_err(|_| std::io::Error::other("network namespace worker panicked"))?
+    NetnsHandle::open(netns)?.run(work)
 }
 
 /// Brings the current network namespace's loopback device up with one

@@ -336,8 +336,30 @@ async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
         },
     )
     .await;
-    let state = dir.join("pods").join(format!("netns-{}.json", pod.name));
-    assert!(state.is_file(), "recorded like any pod: {}", state.display());
+    let enrolled = dir.join("pods").join(format!("netns-{}.json", pod.name));
+    assert!(
+        enrolled.is_file(),
+        "recorded like any pod: {}",
+        enrolled.display()
+    );
+
+    // The runtime's ADD for the same pod arrives after all (it was retrying
+    // while the agent started): the capture in place is taken over under the
+    // runtime's container id, not opened twice.
+    let primary: Value = serde_json::from_slice(&added.stdout).unwrap();
+    let ours = runtime.exec(&runtime.plugins[1], "ADD", "pod-early", &pod, Some(&primary));
+    assert!(
+        ours.status.success(),
+        "our ADD on an enrolled pod: {}",
+        text(&ours)
+    );
+    let state = dir.join("pods").join("pod-early.json");
+    assert!(
+        state.is_file() && !enrolled.exists(),
+        "one record, under the runtime's id"
+    );
+    let check = runtime.check_ours("pod-early", &pod, &primary);
+    assert!(check.status.success(), "CHECK: {}", text(&check));
 
     // The pod goes away: its namespace is forgotten, its record removed.
     drop(_client);

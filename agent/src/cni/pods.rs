@@ -13,7 +13,7 @@ use tokio::task::AbortHandle;
 use crate::capture::listener::{self, CaptureContext};
 use crate::capture::nft;
 use crate::programs::NFT;
-use crate::sys::{self, in_netns};
+use crate::sys::{self, NetnsHandle};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
@@ -43,10 +43,10 @@ struct PodState {
 
 struct CapturedPod {
     state: PodState,
-    /// Device and inode of the namespace when it was captured: a path that
-    /// later names another namespace (a reused PID, a recreated pin) is not
-    /// this pod any more.
-    identity: (u64, u64),
+    /// The pod's namespace, held open: checks enter this one, and a path
+    /// that later names another namespace (a reused PID, a recreated pin)
+    /// is not this pod any more.
+    netns: NetnsHandle,
     listeners: Vec<AbortHandle>,
 }
 
@@ -157,7 +157,40 @@ impl Pods {
             netns: pod.netns.clone(),
             ifname: pod.ifname.clone(),
         };
-        self.open(state.clone()).await?;
+        if !self.adopt(&state) {
+            self.open(state.clone()).await?;
+        }
+        self.record(&state)?;
+        tracing::info!(container_id = %pod.container_id, netns = %pod.netns, namespace = %pod.pod_namespace, name = %pod.pod_name, "pod captured");
+        Ok(())
+    }
+
+    /// A namespace already captured (a repeated ADD, or the ADD of a pod
+    /// this agent enrolled at start while the runtime retried) is taken
+    /// over under the new record, without a second listener.
+    fn adopt(&self, state: &PodState) -> bool {
+        let Ok(identity) = namespace_identity(Path::new(&state.netns)) else {
+            return false;
+        };
+        let mut pods = self.pods.lock().expect("pods lock");
+        let Some(old_id) = pods
+            .iter()
+            .find(|(_, pod)| pod.netns.identity() == identity)
+            .map(|(id, _)| id.clone())
+        else {
+            return false;
+        };
+        let mut pod = pods.remove(&old_id).expect("just found");
+        pod.state = state.clone();
+        pods.insert(state.container_id.clone(), pod);
+        if old_id != state.container_id {
+            let _ = std::fs::remove_file(self.state_file(&old_id));
+        }
+        true
+    }
+
+    /// Writes a pod's state file (atomically).
+    fn record(&self, state: &PodState) -> Result<(), PodError> {
         let text = serde_json::to_vec(&state).expect("state serializes");
         let path = self.state_file(&state.container_id);
         let temporary = path.with_extension("tmp");
@@ -166,9 +199,7 @@ impl Pods {
             .map_err(|source| PodError::State {
                 dir: self.settings.state_dir.display().to_string(),
                 source,
-            })?;
-        tracing::info!(container_id = %pod.container_id, netns = %pod.netns, namespace = %pod.pod_namespace, name = %pod.pod_name, "pod captured");
-        Ok(())
+            })
     }
 
     /// Enters the namespace, applies the rules, binds the listeners there,
@@ -181,10 +212,10 @@ impl Pods {
             netns: state.netns.clone(),
             source,
         };
-        let netns = PathBuf::from(&state.netns);
-        let identity = namespace_identity(&netns).map_err(setup_error)?;
+        let netns = NetnsHandle::open(Path::new(&state.netns)).map_err(setup_error)?;
+        let entered = netns.clone();
         let listeners = tokio::task::spawn_blocking(move || {
-            in_netns(&netns, move || {
+            entered.run(move || {
                 // The loopback device carries the redirected connections.
                 sys::set_loopback_up()?;
                 nft::apply(&ruleset).map_err(std::io::Error::other)?;
@@ -210,7 +241,7 @@ impl Pods {
             state.container_id.clone(),
             CapturedPod {
                 state,
-                identity,
+                netns,
                 listeners: handles,
             },
         );
@@ -240,10 +271,10 @@ impl Pods {
                     "the capture listener of pod {container_id} is not running"
                 ));
             }
-            PathBuf::from(&pod.state.netns)
+            pod.netns.clone()
         };
         let listed = tokio::task::spawn_blocking(move || {
-            in_netns(&netns, || {
+            netns.run(|| {
                 NFT.command()
                     .args(["list", "table", nft::TABLE_FAMILY, nft::TABLE_NAME])
                     .output()
@@ -295,7 +326,7 @@ impl Pods {
             .lock()
             .expect("pods lock")
             .values()
-            .map(|p| p.identity)
+            .map(|p| p.netns.identity())
             .collect();
         let host = namespace_identity(&self.settings.host_netns).ok();
         for entry in entries.flatten() {
@@ -337,7 +368,9 @@ impl Pods {
             .lock()
             .expect("pods lock")
             .iter()
-            .filter(|(_, pod)| namespace_identity(Path::new(&pod.state.netns)).ok() != Some(pod.identity))
+            .filter(|(_, pod)| {
+                namespace_identity(Path::new(&pod.state.netns)).ok() != Some(pod.netns.identity())
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in gone {
