@@ -14,7 +14,6 @@ pub mod programs;
 pub mod server_conn;
 pub mod servers;
 pub mod session;
-pub mod sys;
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;

@@ -1,12 +1,20 @@
 //! The node role: transparent capture of node processes' connections to the
 //! API server's service VIP, tunneled to a control-plane agent.
 //!
-//! [`map`] says what is captured, [`nft`] installs the REDIRECT rules,
-//! [`listener`] accepts and tunnels the captured connections.
+//! The whole capture subsystem lives here: [`map`] says what is captured,
+//! [`nft`] renders and installs the REDIRECT rules (on the host and in each
+//! pod), [`listener`] accepts and tunnels the captured connections,
+//! [`pods`] keeps the captured pods (and enrols those that ran before the
+//! agent), [`cni_socket`] answers the konnectivity-cni plugin, and
+//! [`netns`] enters pod namespaces. Installing the plugin on a node is
+//! `crate::cni`, which needs none of this.
 
+pub mod cni_socket;
 pub mod listener;
 pub mod map;
+pub mod netns;
 pub mod nft;
+pub mod pods;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
@@ -19,8 +27,8 @@ use tokio::sync::watch;
 
 use self::listener::CaptureContext;
 use self::map::CaptureMap;
+use self::pods::{PodSettings, Pods};
 use crate::Backoff;
-use crate::cni::pods::{PodSettings, Pods};
 use crate::metrics::AgentMetrics;
 
 /// Everything the node role needs from the agent's configuration.
@@ -61,7 +69,7 @@ pub enum CaptureError {
     #[error("cannot listen on the CNI socket {path} (--cni-socket): {source}")]
     CniSocket { path: String, source: std::io::Error },
     #[error(transparent)]
-    Pods(#[from] crate::cni::pods::PodError),
+    Pods(#[from] pods::PodError),
 }
 
 /// Readiness of the node role: rules installed and the tunnel answering.
@@ -192,12 +200,12 @@ pub async fn run(
                 sweeping.forget_gone();
             }
         });
-        let socket = crate::cni::server::bind(&cni.socket).map_err(|source| CaptureError::CniSocket {
+        let socket = cni_socket::bind(&cni.socket).map_err(|source| CaptureError::CniSocket {
             path: cni.socket.display().to_string(),
             source,
         })?;
         tracing::info!(socket = %cni.socket.display(), "CNI socket open");
-        tasks.spawn(crate::cni::server::serve(socket, pods, readiness.clone()));
+        tasks.spawn(cni_socket::serve(socket, pods, readiness.clone()));
     }
     tasks.spawn(keep_tunnel(settings, tunnel_tx, readiness, metrics));
     while tasks.join_next().await.is_some() {}

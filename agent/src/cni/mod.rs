@@ -1,11 +1,6 @@
-//! Pods: the CNI plugin tells the agent about each pod over a Unix socket;
-//! the agent enters the pod's network namespace, installs the same REDIRECT
-//! rules there and opens a capture listener inside it. Pod connections then
-//! go through the node tunnel exactly like host ones.
-//!
-//! [`server`] answers the plugin, [`pods`] keeps the captured pods and their
-//! state files.
+//! Installing the konnectivity-cni plugin on a node (`proxy-agent
+//! install-cni`): the binary into the CNI bin directory and our entry into
+//! the runtime's network configuration. What the agent does for each pod
+//! the plugin hands it is `crate::capture` (pods, the CNI socket).
 
 pub mod install;
-pub mod pods;
-pub mod server;

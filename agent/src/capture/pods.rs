@@ -10,10 +10,10 @@ use konnectivity_cni::message::{Attachment, Pod};
 use serde::{Deserialize, Serialize};
 use tokio::task::AbortHandle;
 
-use crate::capture::listener::{self, CaptureContext};
-use crate::capture::nft;
+use super::listener::{self, CaptureContext};
+use super::netns::{self, NetnsHandle};
+use super::nft;
 use crate::programs::NFT;
-use crate::sys::{self, NetnsHandle};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PodError {
@@ -217,7 +217,7 @@ impl Pods {
         let listeners = tokio::task::spawn_blocking(move || {
             entered.run(move || {
                 // The loopback device carries the redirected connections.
-                sys::set_loopback_up()?;
+                netns::set_loopback_up()?;
                 nft::apply(&ruleset).map_err(std::io::Error::other)?;
                 let mut listeners = vec![std::net::TcpListener::bind(("127.0.0.1", port))?];
                 if ipv6 {

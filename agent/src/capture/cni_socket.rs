@@ -10,8 +10,8 @@ use konnectivity_cni::message::{MAX_MESSAGE, Reply, Request};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
+use super::NodeReadiness;
 use super::pods::Pods;
-use crate::capture::NodeReadiness;
 
 /// How long the plugin may take to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
