@@ -187,6 +187,19 @@ pub struct Args {
         help_heading = "Pod capture (konnectivity-rs)"
     )]
     pub pod_netns_dir: String,
+    /// The container runtime's CNI result cache (libcni's), which tells which pod a pinned
+    /// namespace belongs to: pods are then enrolled under their container id and name, and
+    /// those of --exclude-namespaces skipped. Empty: enrol every pinned namespace.
+    #[arg(
+        long,
+        default_value = "/var/lib/cni",
+        help_heading = "Pod capture (konnectivity-rs)"
+    )]
+    pub cni_cache_dir: String,
+    /// Namespaces whose running pods are not enrolled, comma-separated: the same list as
+    /// install-cni's --exclude-namespaces, which the plugin applies to new pods.
+    #[arg(long, value_parser = parse_list, default_value = "", help_heading = "Pod capture (konnectivity-rs)")]
+    pub exclude_namespaces: GoList,
     /// Where the agent records captured pods, to re-open them after a restart.
     #[arg(
         long,
@@ -466,6 +479,8 @@ fn node_config_for(args: &Args, captures: Vec<Capture>) -> Result<Option<NodeCon
         socket: args.cni_socket.clone().into(),
         state_dir: args.state_dir.clone().into(),
         netns_dir: (!args.pod_netns_dir.is_empty()).then(|| args.pod_netns_dir.clone().into()),
+        cni_cache_dir: (!args.cni_cache_dir.is_empty()).then(|| args.cni_cache_dir.clone().into()),
+        exclude_namespaces: args.exclude_namespaces.0.clone(),
     });
     if args.state_dir.is_empty() {
         return Err(invalid("state-dir", "must not be empty"));

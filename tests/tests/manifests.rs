@@ -470,6 +470,15 @@ fn node_to_kas_pieces_agree_with_each_other() {
         );
         assert_eq!(install.args.first().map(String::as_str), Some("install-cni"));
         assert_eq!(install.flag("agent-socket"), node.flag("cni-socket"), "{base}");
+        if node.flag("cni-socket").is_some() {
+            // New pods (the plugin) and running ones (the agent's enrolment)
+            // are excluded alike.
+            assert_eq!(
+                install.flag("exclude-namespaces"),
+                node.flag("exclude-namespaces"),
+                "{base}"
+            );
+        }
         // Every capture target is a destination the server lets nodes dial.
         let targets: Vec<&str> = node
             .args

@@ -165,7 +165,31 @@ fn pod_agent_args(topology: &Topology) -> Vec<String> {
         format!("--cni-socket={}", dir.join("cni.sock").display()),
         format!("--state-dir={}", dir.join("pods").display()),
         format!("--pod-netns-dir={}", pins.display()),
+        format!("--cni-cache-dir={}", dir.join("cni-cache").display()),
+        "--exclude-namespaces=kube-system".to_owned(),
     ]
+}
+
+/// The runtime's CNI result cache entry for a pod, as containerd's libcni
+/// writes it after the chain's ADD (`results/NETWORK-ID-IFNAME`).
+fn cache_attachment(topology: &Topology, container: &str, pod: &Netns, namespace: &str) {
+    let results = topology.dir.path().join("cni-cache/results");
+    std::fs::create_dir_all(&results).unwrap();
+    let entry = json!({
+        "kind": "cniCacheV1",
+        "containerId": container,
+        "config": "e30=",
+        "ifName": "eth0",
+        "networkName": "podnet",
+        "netns": format!("/var/run/netns/{}", pod.name),
+        "cniArgs": [["IgnoreUnknown", "1"], ["K8S_POD_NAMESPACE", namespace], ["K8S_POD_NAME", container]],
+        "result": {},
+    });
+    std::fs::write(
+        results.join(format!("podnet-{container}-eth0")),
+        entry.to_string(),
+    )
+    .unwrap();
 }
 
 fn curl_from_pod(topology: &Topology, pod: &Netns) -> Output {
@@ -295,29 +319,40 @@ async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
     let runtime = Runtime::install(&topology);
     let agent_args = pod_agent_args(&topology);
 
-    // The pod came up before konnectivity-cni was chained: the primary
-    // plugin alone set up its network, so nothing captures it yet.
-    let pod = Netns::bare("pod");
-    let added = runtime.exec(&runtime.plugins[0], "ADD", "pod-early", &pod, None);
-    assert!(added.status.success(), "bridge ADD: {}", text(&added));
-    // Its process keeps trying the API server through the VIP, as a
-    // controller does (bounded: 240 tries, 1 s each at most).
-    let answers = dir.join("early-answers");
-    let _client = pod.spawn_program(
-        "sh",
-        &[
-            "-c".to_owned(),
-            format!(
-                "for i in $(seq 1 240); do curl -s --max-time 1 --cacert {} https://{VIP}/version >> {}; sleep 0.25; done",
-                topology.pki.ca.display(),
-                answers.display()
-            ),
-        ],
-        dir,
-    );
-    // The runtime's pin of its namespace, in the directory the agent scans.
-    let pin = dir.join("netns").join(&pod.name);
-    std::os::unix::fs::symlink(format!("/var/run/netns/{}", pod.name), &pin).unwrap();
+    // Two pods came up before konnectivity-cni was chained: the primary
+    // plugin alone set up their network, so nothing captures them yet. The
+    // runtime pinned their namespaces and cached their attachments; one is
+    // in kube-system, which install-cni (and so the agent) excludes.
+    let start_pod = |container: &str, namespace: &str| {
+        let pod = Netns::bare("pod");
+        let added = runtime.exec(&runtime.plugins[0], "ADD", container, &pod, None);
+        assert!(added.status.success(), "bridge ADD: {}", text(&added));
+        cache_attachment(&topology, container, &pod, namespace);
+        std::os::unix::fs::symlink(
+            format!("/var/run/netns/{}", pod.name),
+            dir.join("netns").join(&pod.name),
+        )
+        .unwrap();
+        // Its process keeps trying the API server through the VIP, as a
+        // controller does (bounded: 240 tries, 1 s each at most).
+        let answers = dir.join(format!("{container}-answers"));
+        let client = pod.spawn_program(
+            "sh",
+            &[
+                "-c".to_owned(),
+                format!(
+                    "for i in $(seq 1 240); do curl -s --max-time 1 --cacert {} https://{VIP}/version >> {}; sleep 0.25; done",
+                    topology.pki.ca.display(),
+                    answers.display()
+                ),
+            ],
+            dir,
+        );
+        let primary: Value = serde_json::from_slice(&added.stdout).unwrap();
+        (pod, client, answers, primary)
+    };
+    let (pod, client, answers, primary) = start_pod("pod-early", "default");
+    let (_system_pod, _system_client, system_answers, _) = start_pod("pod-system", "kube-system");
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         std::fs::read_to_string(&answers).unwrap_or_default().is_empty(),
@@ -336,33 +371,36 @@ async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
         },
     )
     .await;
-    let enrolled = dir.join("pods").join(format!("netns-{}.json", pod.name));
+    // Recorded like any pod, under the runtime's container id.
+    let state = dir.join("pods").join("pod-early.json");
     assert!(
-        enrolled.is_file(),
-        "recorded like any pod: {}",
-        enrolled.display()
+        state.is_file(),
+        "recorded under the runtime's id: {}",
+        state.display()
+    );
+    // The excluded namespace's pod is left alone.
+    assert!(!dir.join("pods").join("pod-system.json").exists());
+    assert!(
+        !std::fs::read_to_string(&system_answers)
+            .unwrap_or_default()
+            .contains(VERSION_BODY),
+        "a kube-system pod must not be enrolled"
     );
 
     // The runtime's ADD for the same pod arrives after all (it was retrying
-    // while the agent started): the capture in place is taken over under the
-    // runtime's container id, not opened twice.
-    let primary: Value = serde_json::from_slice(&added.stdout).unwrap();
+    // while the agent started): the capture in place is taken over, not
+    // opened twice; CHECK finds it.
     let ours = runtime.exec(&runtime.plugins[1], "ADD", "pod-early", &pod, Some(&primary));
     assert!(
         ours.status.success(),
         "our ADD on an enrolled pod: {}",
         text(&ours)
     );
-    let state = dir.join("pods").join("pod-early.json");
-    assert!(
-        state.is_file() && !enrolled.exists(),
-        "one record, under the runtime's id"
-    );
     let check = runtime.check_ours("pod-early", &pod, &primary);
     assert!(check.status.success(), "CHECK: {}", text(&check));
 
     // The pod goes away: its namespace is forgotten, its record removed.
-    drop(_client);
+    drop(client);
     drop(pod);
     support::wait_until(
         Duration::from_secs(10),

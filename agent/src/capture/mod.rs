@@ -9,6 +9,7 @@
 //! [`netns`] enters pod namespaces. Installing the plugin on a node is
 //! `crate::cni`, which needs none of this.
 
+pub mod cni_cache;
 pub mod cni_socket;
 pub mod listener;
 pub mod map;
@@ -52,6 +53,10 @@ pub struct CniSettings {
     pub state_dir: std::path::PathBuf,
     /// `--pod-netns-dir`; `None` when empty.
     pub netns_dir: Option<std::path::PathBuf>,
+    /// `--cni-cache-dir`; `None` when empty.
+    pub cni_cache_dir: Option<std::path::PathBuf>,
+    /// `--exclude-namespaces`.
+    pub exclude_namespaces: Vec<String>,
 }
 
 /// How often captured pods are checked for a namespace that went away.
@@ -188,6 +193,8 @@ pub async fn run(
                 // The agent runs in the host's network namespace (hostNetwork).
                 host_netns: "/proc/self/ns/net".into(),
                 netns_dir: cni.netns_dir.clone(),
+                cni_cache_dir: cni.cni_cache_dir.clone(),
+                exclude_namespaces: cni.exclude_namespaces.clone(),
             },
             context.clone(),
         )?);

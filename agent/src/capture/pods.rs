@@ -69,7 +69,17 @@ pub struct PodSettings {
     /// `--pod-netns-dir`: where the runtime pins pod namespaces, enrolled
     /// at start; `None` turns enrolment off.
     pub netns_dir: Option<PathBuf>,
+    /// `--cni-cache-dir`: the runtime's CNI result cache, which says which
+    /// pod a pinned namespace belongs to.
+    pub cni_cache_dir: Option<PathBuf>,
+    /// `--exclude-namespaces`: pods of these namespaces are not enrolled
+    /// (install-cni's list, which the plugin applies to ADD).
+    pub exclude_namespaces: Vec<String>,
 }
+
+/// The prefix of the ids of pods enrolled without a cache entry: the
+/// runtime knows them under another id, so CNI GC must not drop them.
+const ENROLLED_PREFIX: &str = "netns-";
 
 /// The device and inode of the namespace at `path` (following symlinks).
 fn namespace_identity(path: &Path) -> std::io::Result<(u64, u64)> {
@@ -299,7 +309,7 @@ impl Pods {
             .lock()
             .expect("pods lock")
             .keys()
-            .filter(|id| !valid.iter().any(|a| &a.container_id == *id))
+            .filter(|id| !id.starts_with(ENROLLED_PREFIX) && !valid.iter().any(|a| &a.container_id == *id))
             .cloned()
             .collect();
         for id in stale {
@@ -310,7 +320,10 @@ impl Pods {
     /// Enrols the pods that were running before this agent (or before the
     /// plugin was chained): every namespace pinned in `--pod-netns-dir` that
     /// is not the host's and not captured yet gets the capture ADD would
-    /// give it, recorded like any pod (id `netns-NAME`). Only that directory
+    /// give it, recorded like any pod: under the container id, interface
+    /// and pod name the runtime's CNI cache gives for that namespace (pods
+    /// of `--exclude-namespaces` are skipped, as ADD skips them), or as
+    /// `netns-NAME` when the cache has no entry for it. Only that directory
     /// is looked at: a namespace elsewhere (another program's, a test's) may
     /// not be a pod's, and is never touched.
     pub async fn enrol_existing(&self) {
@@ -329,6 +342,17 @@ impl Pods {
             .map(|p| p.netns.identity())
             .collect();
         let host = namespace_identity(&self.settings.host_netns).ok();
+        let cached: Vec<((u64, u64), super::cni_cache::CachedAttachment)> = self
+            .settings
+            .cni_cache_dir
+            .as_deref()
+            .map(super::cni_cache::attachments)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|attachment| {
+                Some((namespace_identity(Path::new(&attachment.netns)).ok()?, attachment))
+            })
+            .collect();
         for entry in entries.flatten() {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -341,13 +365,33 @@ impl Pods {
             if captured.contains(&identity) || Some(identity) == host {
                 continue;
             }
-            let pod = Pod {
-                container_id: format!("netns-{name}"),
-                netns: path.display().to_string(),
-                ifname: "eth0".to_owned(),
-                ips: Vec::new(),
-                pod_namespace: String::new(),
-                pod_name: String::new(),
+            let known = cached.iter().find(|(id, _)| *id == identity).map(|(_, a)| a);
+            if let Some(attachment) = known
+                && self
+                    .settings
+                    .exclude_namespaces
+                    .contains(&attachment.pod_namespace)
+            {
+                tracing::debug!(netns = %path.display(), namespace = %attachment.pod_namespace, "not enrolling a pod of an excluded namespace");
+                continue;
+            }
+            let pod = match known {
+                Some(attachment) => Pod {
+                    container_id: attachment.container_id.clone(),
+                    netns: path.display().to_string(),
+                    ifname: attachment.ifname.clone(),
+                    ips: Vec::new(),
+                    pod_namespace: attachment.pod_namespace.clone(),
+                    pod_name: attachment.pod_name.clone(),
+                },
+                None => Pod {
+                    container_id: format!("{ENROLLED_PREFIX}{name}"),
+                    netns: path.display().to_string(),
+                    ifname: "eth0".to_owned(),
+                    ips: Vec::new(),
+                    pod_namespace: String::new(),
+                    pod_name: String::new(),
+                },
             };
             match self.add(&pod).await {
                 Ok(()) => {
