@@ -387,6 +387,22 @@ async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
         "a kube-system pod must not be enrolled"
     );
 
+    // A pod created while the agent runs but our entry was missing from the
+    // chain (the primary CNI had rewritten its file): the runtime's cache
+    // names it once its ADD is done, and the agent's re-check captures it.
+    let (_late_pod, _late_client, late_answers, _) = start_pod("pod-late", "default");
+    support::wait_until(
+        Duration::from_secs(15),
+        "the late pod to be captured by the re-check",
+        || async {
+            std::fs::read_to_string(&late_answers)
+                .unwrap_or_default()
+                .contains(VERSION_BODY)
+        },
+    )
+    .await;
+    assert!(dir.join("pods").join("pod-late.json").is_file());
+
     // The runtime's ADD for the same pod arrives after all (it was retrying
     // while the agent started): the capture in place is taken over, not
     // opened twice; CHECK finds it.

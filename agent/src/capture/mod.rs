@@ -59,7 +59,8 @@ pub struct CniSettings {
     pub exclude_namespaces: Vec<String>,
 }
 
-/// How often captured pods are checked for a namespace that went away.
+/// How often captured pods are checked for a namespace that went away, and
+/// the runtime's pods for one that is not captured.
 const POD_SWEEP_INTERVAL: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
@@ -199,12 +200,13 @@ pub async fn run(
             context.clone(),
         )?);
         pods.restore().await;
-        pods.enrol_existing().await;
+        pods.enrol_existing(true).await;
         let sweeping = pods.clone();
         tasks.spawn(async move {
             loop {
                 tokio::time::sleep(POD_SWEEP_INTERVAL).await;
                 sweeping.forget_gone();
+                sweeping.enrol_existing(false).await;
             }
         });
         let socket = cni_socket::bind(&cni.socket).map_err(|source| CaptureError::CniSocket {

@@ -91,6 +91,9 @@ pub struct Pods {
     settings: PodSettings,
     context: Arc<CaptureContext>,
     pods: Mutex<HashMap<String, CapturedPod>>,
+    /// Held while a pod is being captured, so an ADD and an enrolment of
+    /// the same namespace never both open a listener in it.
+    capturing: tokio::sync::Mutex<()>,
 }
 
 fn validate(
@@ -146,6 +149,7 @@ impl Pods {
             settings,
             context,
             pods: Mutex::new(HashMap::new()),
+            capturing: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -156,6 +160,14 @@ impl Pods {
     /// Captures a pod: rules and listener inside its namespace, then the
     /// state file. Answered only when both are in place.
     pub async fn add(&self, pod: &Pod) -> Result<(), PodError> {
+        self.capture(pod, true).await.map(|_| ())
+    }
+
+    /// Captures `pod` unless its namespace is captured already: then, with
+    /// `take_over` (an ADD), the capture is recorded under this pod's id;
+    /// without (an enrolment), it is left as it is. Whether it captured.
+    async fn capture(&self, pod: &Pod, take_over: bool) -> Result<bool, PodError> {
+        let _capturing = self.capturing.lock().await;
         validate(
             &pod.netns,
             &pod.container_id,
@@ -167,12 +179,22 @@ impl Pods {
             netns: pod.netns.clone(),
             ifname: pod.ifname.clone(),
         };
+        let captured = namespace_identity(Path::new(&state.netns)).is_ok_and(|identity| {
+            self.pods
+                .lock()
+                .expect("pods lock")
+                .values()
+                .any(|p| p.netns.identity() == identity)
+        });
+        if captured && !take_over {
+            return Ok(false);
+        }
         if !self.adopt(&state) {
             self.open(state.clone()).await?;
         }
         self.record(&state)?;
         tracing::info!(container_id = %pod.container_id, netns = %pod.netns, namespace = %pod.pod_namespace, name = %pod.pod_name, "pod captured");
-        Ok(())
+        Ok(true)
     }
 
     /// A namespace already captured (a repeated ADD, or the ADD of a pod
@@ -326,7 +348,14 @@ impl Pods {
     /// `netns-NAME` when the cache has no entry for it. Only that directory
     /// is looked at: a namespace elsewhere (another program's, a test's) may
     /// not be a pod's, and is never touched.
-    pub async fn enrol_existing(&self) {
+    ///
+    /// With `uncached` false, only namespaces the cache names are enrolled:
+    /// libcni writes an entry once the whole chain's ADD has succeeded, so a
+    /// pod whose ADD is still running (and which our plugin may yet capture,
+    /// or pass through as excluded) is never taken early. That is how the
+    /// agent re-checks while it runs, for pods created while the primary CNI
+    /// had dropped our entry from its configuration.
+    pub async fn enrol_existing(&self, uncached: bool) {
         let Some(dir) = self.settings.netns_dir.clone() else {
             return;
         };
@@ -366,6 +395,9 @@ impl Pods {
                 continue;
             }
             let known = cached.iter().find(|(id, _)| *id == identity).map(|(_, a)| a);
+            if known.is_none() && !uncached {
+                continue;
+            }
             if let Some(attachment) = known
                 && self
                     .settings
@@ -393,12 +425,18 @@ impl Pods {
                     pod_name: String::new(),
                 },
             };
-            match self.add(&pod).await {
-                Ok(()) => {
-                    tracing::info!(netns = %path.display(), "enrolled a pod that was running before the agent")
+            match self.capture(&pod, false).await {
+                Ok(false) => {}
+                Ok(true) => {
+                    tracing::info!(netns = %path.display(), container_id = %pod.container_id, "enrolled a running pod the plugin had not captured")
+                }
+                // Said once at start; the re-checks while running would
+                // repeat it every few seconds.
+                Err(error) if uncached => {
+                    tracing::warn!(netns = %path.display(), %error, "could not enrol a running pod")
                 }
                 Err(error) => {
-                    tracing::warn!(netns = %path.display(), %error, "could not enrol a running pod")
+                    tracing::debug!(netns = %path.display(), %error, "could not enrol a running pod")
                 }
             }
         }
