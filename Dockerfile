@@ -29,7 +29,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export CARGO_HTTP_CAINFO=/run/secrets/ca-bundle; fi \
  && cargo build --release --locked \
-      -p konnectivity-server -p konnectivity-agent -p konnectivity-cni -p konnectivity-client \
+      -p konnectivity-server -p konnectivity-agent -p konnectivity-cni -p konnectivity-test-client \
  && mkdir /out \
  && cp target/release/proxy-server target/release/proxy-agent target/release/konnectivity-cni \
        target/release/proxy-test-client /out/ \

@@ -15,7 +15,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
 use crate::metrics::{AgentMetrics, DialFailure};
-use konnectivity_plumbing::net::ConnectError;
+use konnectivity_client::net::ConnectError;
 
 /// A failed dial, with error text in the form Go's dialer writes, so that
 /// servers (ours and upstream's) classify it the same way.
@@ -38,7 +38,7 @@ pub async fn dial(
             .parse()
             .map_err(|_| format!("dial tcp: address {address}: invalid port"))?;
         let host = host.trim_start_matches('[').trim_end_matches(']');
-        konnectivity_plumbing::net::connect(host, port, mark)
+        konnectivity_client::net::connect(host, port, mark)
             .await
             .map_err(|error| go_dial_error(address, &error))
     };

@@ -176,9 +176,9 @@ impl ServerTarget {
                 let host = host.clone();
                 let connector = connector.clone();
                 async move {
-                    let name = konnectivity_plumbing::tls::server_name(&host)?;
+                    let name = konnectivity_client::net::server_name(&host)?;
                     let tcp =
-                        konnectivity_plumbing::net::connect_marked(host.trim_matches(['[', ']']), port, mark)
+                        konnectivity_client::net::connect_marked(host.trim_matches(['[', ']']), port, mark)
                             .await?;
                     let tls = connector.connect(name, tcp).await?;
                     Ok::<_, io::Error>(TokioIo::new(tls))

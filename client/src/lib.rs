@@ -21,6 +21,7 @@
 //!
 //! `examples/fetch.rs` is the same as a runnable program.
 
+pub mod net;
 mod stream;
 mod tunnel;
 

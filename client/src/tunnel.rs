@@ -92,14 +92,13 @@ impl Tunnel {
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![b"h2".to_vec()];
         let connector = TlsConnector::from(Arc::new(tls));
-        let name = konnectivity_plumbing::tls::server_name(host)
-            .map_err(|_| ConnectError::ServerName(host.to_owned()))?;
+        let name = crate::net::server_name(host).map_err(|_| ConnectError::ServerName(host.to_owned()))?;
         let host = host.trim_matches(['[', ']']).to_owned();
         let channel = endpoint()
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let (connector, name, host) = (connector.clone(), name.clone(), host.clone());
                 async move {
-                    let tcp = konnectivity_plumbing::net::connect_marked(&host, port, mark).await?;
+                    let tcp = crate::net::connect_marked(&host, port, mark).await?;
                     Ok::<_, io::Error>(TokioIo::new(connector.connect(name, tcp).await?))
                 }
             }))

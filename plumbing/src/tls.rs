@@ -391,12 +391,6 @@ pub fn accept_tls(
     rx
 }
 
-/// The server name to verify a peer against: an IP address or a DNS name.
-pub fn server_name(host: &str) -> Result<rustls_pki_types::ServerName<'static>, io::Error> {
-    rustls_pki_types::ServerName::try_from(host.trim_matches(|c| c == '[' || c == ']').to_owned())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, format!("server name {host:?}: {e}")))
-}
-
 /// The names a certificate vouches for: its subject common names and DNS
 /// subject alternative names. Used to bind an authenticated peer to the
 /// identity it claims (e.g. a control-plane agent id).

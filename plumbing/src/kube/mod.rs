@@ -171,7 +171,11 @@ impl KubeClient {
             .await
             .map_err(connect_error)?;
         let _ = tcp.set_nodelay(true);
-        let name = crate::tls::server_name(&self.endpoint.server_name).map_err(connect_error)?;
+        // The kubeconfig's host, without an IPv6 address's brackets.
+        let name = rustls_pki_types::ServerName::try_from(
+            self.endpoint.server_name.trim_matches(['[', ']']).to_owned(),
+        )
+        .map_err(|error| connect_error(std::io::Error::new(std::io::ErrorKind::InvalidInput, error)))?;
         let tls = TlsConnector::from(self.endpoint.tls.clone())
             .connect(name, tcp)
             .await

@@ -1,6 +1,7 @@
 //! proxy-test-client: fetches one URL path through a proxy-server, in gRPC or
 //! HTTP CONNECT mode, over its Unix socket or TCP with mTLS; like upstream's
-//! test client of the same name. Prints the HTTP response.
+//! test client of the same name. Prints the HTTP response. (A crate of its
+//! own, so that the konnectivity-client library needs no CLI dependencies.)
 
 use std::sync::Arc;
 
@@ -83,7 +84,7 @@ async fn main() -> anyhow::Result<()> {
         }
         (Mode::HttpConnect, true) => {
             let tcp = tokio::net::TcpStream::connect((args.proxy_host.as_str(), args.proxy_port)).await?;
-            let name = konnectivity_plumbing::tls::server_name(&args.proxy_host)?;
+            let name = konnectivity_client::net::server_name(&args.proxy_host)?;
             let stream = tokio_rustls::TlsConnector::from(tls(&args)?)
                 .connect(name, tcp)
                 .await?;
