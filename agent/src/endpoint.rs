@@ -3,7 +3,6 @@
 
 use std::io;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -16,6 +15,7 @@ use tokio::sync::mpsc;
 
 use crate::metrics::{AgentMetrics, DialFailure};
 use konnectivity_client::net::ConnectError;
+use konnectivity_plumbing::metrics::TunnelBytes;
 
 /// A failed dial, with error text in the form Go's dialer writes, so that
 /// servers (ours and upstream's) classify it the same way.
@@ -94,13 +94,6 @@ pub struct EndpointClosed {
     pub error: Option<String>,
 }
 
-/// Bytes through one tunnel, each way.
-#[derive(Debug, Default)]
-pub struct TunnelBytes {
-    pub to_target: AtomicU64,
-    pub from_target: AtomicU64,
-}
-
 /// What an endpoint's two tasks need of their session's stream.
 #[derive(Clone)]
 pub struct StreamHandle {
@@ -133,7 +126,7 @@ pub async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream:
         match read.try_read_buf(&mut buf) {
             Ok(0) => break None,
             Ok(read) => {
-                stream.bytes.from_target.fetch_add(read as u64, Ordering::Relaxed);
+                stream.bytes.received_from_target(read);
                 let data = buf.freeze();
                 if window.reserve(data.len()).await.is_err() {
                     return;
@@ -164,10 +157,7 @@ pub async fn pump_to_endpoint(
             stream.report_closed(Some(error.to_string())).await;
             return;
         }
-        stream
-            .bytes
-            .to_target
-            .fetch_add(chunk.len() as u64, Ordering::Relaxed);
+        stream.bytes.sent_to_target(chunk.len());
         if let Some(bytes) = credit.consumed(chunk.len()) {
             let connect_id = stream.connect_id;
             let update = Frame::WindowUpdate { connect_id, bytes }.into();

@@ -126,7 +126,7 @@ impl Default for AgentMetrics {
             register(
                 registry,
                 "tunnels_ended_total",
-                "Tunnels ended, by reason: who or what ended them, before or after they were established (docs/metrics.md).",
+                konnectivity_plumbing::metrics::TUNNELS_ENDED_HELP,
                 metrics.tunnels_ended.clone(),
             );
             register(
@@ -184,9 +184,10 @@ impl AgentMetrics {
             .inc();
     }
 
-    /// A tunnel ended, for the reason labelled so (session::TunnelEnd).
-    pub fn tunnel_ended(&self, reason: &'static str) {
-        self.tunnels_ended.get_or_create(&vec![("reason", reason)]).inc();
+    pub fn tunnel_ended(&self, reason: crate::session::TunnelEnd) {
+        self.tunnels_ended
+            .get_or_create(&vec![("reason", reason.label())])
+            .inc();
     }
 
     pub fn dial_failed(&self, reason: DialFailure) {

@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -15,8 +14,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 
-use crate::endpoint::{self, DialError, EndpointClosed, TunnelBytes};
+use crate::endpoint::{self, DialError, EndpointClosed};
 use crate::metrics::{AgentMetrics, Segment, ServerDirection};
+use konnectivity_plumbing::metrics::TunnelBytes;
 
 /// Why a tunnel ended on this agent, and so who ended it: counted by
 /// `tunnels_ended_total{reason}` and logged at -v=2. Every DIAL_REQ ends
@@ -72,14 +72,14 @@ struct TunnelLife {
 
 impl Drop for TunnelLife {
     fn drop(&mut self) {
-        self.metrics.tunnel_ended(self.end.label());
+        self.metrics.tunnel_ended(self.end);
         tracing::debug!(
             connect_id = %self.connect_id,
             dial_id = %self.dial_id,
             destination = %self.destination,
             reason = self.end.label(),
-            bytes_to_target = self.bytes.to_target.load(Ordering::Relaxed),
-            bytes_from_target = self.bytes.from_target.load(Ordering::Relaxed),
+            bytes_to_target = self.bytes.to_target(),
+            bytes_from_target = self.bytes.from_target(),
             duration = ?self.started.elapsed(),
             "tunnel closed"
         );
@@ -88,7 +88,7 @@ impl Drop for TunnelLife {
 
 /// A tunnel that ended before it was established.
 fn ended_before_established(metrics: &AgentMetrics, dial_id: DialId, destination: &str, reason: TunnelEnd) {
-    metrics.tunnel_ended(reason.label());
+    metrics.tunnel_ended(reason);
     tracing::debug!(%dial_id, destination, reason = reason.label(), "tunnel ended before it was established");
 }
 

@@ -198,7 +198,7 @@ impl Default for ServerMetrics {
             register(
                 registry,
                 "tunnels_ended_total",
-                "Tunnels ended, by reason: who or what ended them, before or after they were established (docs/metrics.md).",
+                konnectivity_plumbing::metrics::TUNNELS_ENDED_HELP,
                 metrics.tunnels_ended.clone(),
             );
             register(

@@ -3,7 +3,6 @@
 //! share this one path.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -16,6 +15,7 @@ use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, ServerMetrics};
 use crate::policy::{AllowedDestination, FrontendClass, PolicyError, check_node_destination};
 use konnectivity_plumbing::limit::{Limit, LimitReached, Slot};
+use konnectivity_plumbing::metrics::TunnelBytes;
 
 /// Why a dial did not produce a connection. The text reaches the client.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -154,13 +154,6 @@ impl Drop for DialInFlight<'_> {
     }
 }
 
-/// Bytes through one tunnel, each way.
-#[derive(Debug, Default)]
-struct TunnelBytes {
-    to_target: AtomicU64,
-    from_target: AtomicU64,
-}
-
 /// An established tunnel from dial to end, for its closing log line and
 /// `tunnels_ended_total`. The frontend says how it ended with [`TunnelLife::end`];
 /// dropped without that (its task cancelled), it ended with the server.
@@ -190,8 +183,8 @@ impl Drop for TunnelLife {
             agent_id = %self.agent_id,
             destination = %self.destination,
             reason = self.end.label(),
-            bytes_to_target = self.bytes.to_target.load(Ordering::Relaxed),
-            bytes_from_target = self.bytes.from_target.load(Ordering::Relaxed),
+            bytes_to_target = self.bytes.to_target(),
+            bytes_from_target = self.bytes.from_target(),
             duration = ?self.started.elapsed(),
             "tunnel closed"
         );
@@ -379,14 +372,14 @@ impl TunnelSender {
     /// the agent stream is gone.
     pub async fn send(&self, data: Bytes) -> Result<(), BackendGone> {
         self.window.reserve(data.len()).await.map_err(|_| BackendGone)?;
-        let len = data.len() as u64;
+        let len = data.len();
         self.backend
             .send(Frame::Data {
                 connect_id: self.connect_id,
                 data,
             })
             .await?;
-        self.bytes.to_target.fetch_add(len, Ordering::Relaxed);
+        self.bytes.sent_to_target(len);
         Ok(())
     }
 }
@@ -462,9 +455,7 @@ impl TunnelReceiver {
         let event = self.events.recv().await;
         if let Some(Event::Data(data)) = &event {
             self.unconsumed = data.len();
-            self.bytes
-                .from_target
-                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            self.bytes.received_from_target(data.len());
         }
         match event {
             Some(Event::Data(data)) => Ok(data),

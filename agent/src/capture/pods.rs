@@ -179,46 +179,41 @@ impl Pods {
             netns: pod.netns.clone(),
             ifname: pod.ifname.clone(),
         };
-        let captured = namespace_identity(Path::new(&state.netns)).is_ok_and(|identity| {
-            self.pods
-                .lock()
-                .expect("pods lock")
-                .values()
-                .any(|p| p.netns.identity() == identity)
-        });
-        if captured && !take_over {
-            return Ok(false);
-        }
-        if !self.adopt(&state) {
-            self.open(state.clone()).await?;
+        let captured = namespace_identity(Path::new(&state.netns))
+            .ok()
+            .and_then(|identity| self.captured_as(identity));
+        match captured {
+            Some(_) if !take_over => return Ok(false),
+            Some(old_id) => self.adopt(&old_id, &state),
+            None => self.open(state.clone()).await?,
         }
         self.record(&state)?;
         tracing::info!(container_id = %pod.container_id, netns = %pod.netns, namespace = %pod.pod_namespace, name = %pod.pod_name, "pod captured");
         Ok(true)
     }
 
-    /// A namespace already captured (a repeated ADD, or the ADD of a pod
-    /// this agent enrolled at start while the runtime retried) is taken
-    /// over under the new record, without a second listener.
-    fn adopt(&self, state: &PodState) -> bool {
-        let Ok(identity) = namespace_identity(Path::new(&state.netns)) else {
-            return false;
-        };
-        let mut pods = self.pods.lock().expect("pods lock");
-        let Some(old_id) = pods
+    /// The id under which the namespace with `identity` is captured.
+    fn captured_as(&self, identity: (u64, u64)) -> Option<String> {
+        self.pods
+            .lock()
+            .expect("pods lock")
             .iter()
             .find(|(_, pod)| pod.netns.identity() == identity)
             .map(|(id, _)| id.clone())
-        else {
-            return false;
-        };
-        let mut pod = pods.remove(&old_id).expect("just found");
-        pod.state = state.clone();
-        pods.insert(state.container_id.clone(), pod);
-        if old_id != state.container_id {
-            let _ = std::fs::remove_file(self.state_file(&old_id));
+    }
+
+    /// A namespace already captured as `old_id` (a repeated ADD, or the ADD
+    /// of a pod this agent enrolled while the runtime retried) is taken over
+    /// under the new record, without a second listener.
+    fn adopt(&self, old_id: &str, state: &PodState) {
+        let mut pods = self.pods.lock().expect("pods lock");
+        if let Some(mut pod) = pods.remove(old_id) {
+            pod.state = state.clone();
+            pods.insert(state.container_id.clone(), pod);
         }
-        true
+        if old_id != state.container_id {
+            let _ = std::fs::remove_file(self.state_file(old_id));
+        }
     }
 
     /// Writes a pod's state file (atomically).
@@ -363,13 +358,6 @@ impl Pods {
             tracing::debug!(dir = %dir.display(), "no pod network namespace directory");
             return;
         };
-        let captured: Vec<(u64, u64)> = self
-            .pods
-            .lock()
-            .expect("pods lock")
-            .values()
-            .map(|p| p.netns.identity())
-            .collect();
         let host = namespace_identity(&self.settings.host_netns).ok();
         let cached: Vec<((u64, u64), super::cni_cache::CachedAttachment)> = self
             .settings
@@ -391,7 +379,7 @@ impl Pods {
             let Ok(identity) = namespace_identity(&path) else {
                 continue;
             };
-            if captured.contains(&identity) || Some(identity) == host {
+            if Some(identity) == host {
                 continue;
             }
             let known = cached.iter().find(|(id, _)| *id == identity).map(|(_, a)| a);
