@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use konnectivity_proto::flow::{ReceiveCredit, SendWindow};
+use konnectivity_mux::Port;
+use konnectivity_mux::flow::SendWindow;
 use konnectivity_proto::{ConnectId, DATA_CHUNK, Frame, Packet};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -146,19 +147,14 @@ pub async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream:
 /// Writes what the server sends to the endpoint, returning flow-control
 /// credit as the bytes leave. Ends when the session drops the sender
 /// (CLOSE_REQ, or the stream ended) after writing what was queued.
-pub async fn pump_to_endpoint(
-    mut write: OwnedWriteHalf,
-    mut data: mpsc::UnboundedReceiver<Bytes>,
-    mut credit: ReceiveCredit,
-    stream: StreamHandle,
-) {
-    while let Some(chunk) = data.recv().await {
+pub async fn pump_to_endpoint(mut write: OwnedWriteHalf, mut port: Port<Bytes>, stream: StreamHandle) {
+    while let Some(chunk) = port.recv().await {
         if let Err(error) = write.write_all(&chunk).await {
             stream.report_closed(Some(error.to_string())).await;
             return;
         }
         stream.bytes.sent_to_target(chunk.len());
-        if let Some(bytes) = credit.consumed(chunk.len()) {
+        if let Some(bytes) = port.written(chunk.len()) {
             let connect_id = stream.connect_id;
             let update = Frame::WindowUpdate { connect_id, bytes }.into();
             if stream.outbound.send(update).await.is_err() {

@@ -1,10 +1,10 @@
 //! The agent's health listener: `/healthz`, `/readyz`, `/metrics`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::StatusCode;
 use konnectivity_plumbing::http::{Endpoints, Reply};
+use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::metrics;
 
 use crate::capture::NodeReadiness;
@@ -12,7 +12,8 @@ use crate::metrics::AgentMetrics;
 
 pub struct AgentEndpoints {
     pub metrics: Arc<AgentMetrics>,
-    pub draining: Arc<AtomicBool>,
+    /// Signalled by the first SIGTERM: the agent drains.
+    pub drain: Watcher,
     /// Set when the node role runs: ready needs its rules and tunnel too.
     pub node_readiness: Option<Arc<NodeReadiness>>,
 }
@@ -23,7 +24,7 @@ impl Endpoints for AgentEndpoints {
             "/healthz" => Reply::text(StatusCode::OK, "ok"),
             // Upstream answers "not ready" with 503.
             "/readyz" => {
-                if self.draining.load(Ordering::Relaxed) {
+                if self.drain.is_signaled() {
                     Reply::text(StatusCode::SERVICE_UNAVAILABLE, "not ready: draining\n")
                 } else if let Some(node) = self.node_readiness.as_ref().filter(|node| !node.is_ready()) {
                     Reply::text(

@@ -16,11 +16,10 @@ pub mod servers;
 pub mod session;
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
+use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::tls::{self, TlsError};
-use tokio::sync::watch;
 
 use crate::capture::{CaptureError, NodeReadiness, NodeSettings};
 use crate::config::Config;
@@ -71,13 +70,10 @@ impl Backoff {
     }
 }
 
-/// Runs the agent until the task is dropped. `drain` turning true sends
-/// DRAIN on every server stream, so servers stop choosing this agent.
-pub async fn run(
-    config: Config,
-    drain: watch::Receiver<bool>,
-    draining: Arc<AtomicBool>,
-) -> Result<(), AgentError> {
+/// Runs the agent until the task is dropped. Once `drain` is signalled,
+/// every server stream sends DRAIN, so servers stop choosing this agent, and
+/// /readyz answers 503.
+pub async fn run(config: Config, drain: Watcher) -> Result<(), AgentError> {
     let metrics = Arc::new(AgentMetrics::default());
     let health = tokio::net::TcpListener::bind(config.health_addr)
         .await
@@ -88,7 +84,7 @@ pub async fn run(
     let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
     let endpoints = Arc::new(AgentEndpoints {
         metrics: metrics.clone(),
-        draining,
+        drain: drain.clone(),
         node_readiness: node_readiness.clone(),
     });
     let _health = AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(

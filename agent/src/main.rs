@@ -1,6 +1,3 @@
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use konnectivity_agent::config::{AgentCommand, Args, Config};
 
 /// See `konnectivity_plumbing::runtime::Allocator`.
@@ -43,9 +40,8 @@ fn main() -> anyhow::Result<()> {
     let runtime = konnectivity_plumbing::runtime::multi_thread()?;
     let result = runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
-        let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
-        let draining = Arc::new(AtomicBool::new(false));
-        let agent = konnectivity_agent::run(config, drain_rx, draining.clone());
+        let (drain, watcher) = konnectivity_plumbing::lifecycle::channel();
+        let agent = konnectivity_agent::run(config, watcher);
         tokio::pin!(agent);
         // As upstream: the first signal drains (servers stop choosing this
         // agent, open connections carry on), the second exits.
@@ -53,8 +49,7 @@ fn main() -> anyhow::Result<()> {
             result = &mut agent => return result.map_err(anyhow::Error::from),
             signal = signals.next() => {
                 tracing::info!(signal, "draining; send the signal again to exit");
-                draining.store(true, Ordering::Relaxed);
-                let _ = drain_tx.send(true);
+                drain.signal();
             }
         }
         tokio::select! {

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
+use konnectivity_mux::flow;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
-use konnectivity_proto::{AgentIdentifiers, Packet, PacketType, flow};
+use konnectivity_proto::{AgentIdentifiers, Packet, PacketType};
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;

@@ -16,8 +16,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::metrics::GaugeGuard;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
@@ -55,7 +56,7 @@ pub async fn serve(
     settings: SessionSettings,
     sync: SyncSettings,
     metrics: Arc<AgentMetrics>,
-    drain: watch::Receiver<bool>,
+    drain: Watcher,
     mut backoff: Backoff,
 ) {
     let (report_tx, mut reports) = mpsc::unbounded_channel::<Report>();

@@ -6,13 +6,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use konnectivity_mux::{Connections, Delivery};
+use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::limit::{Limit, Slot};
 use konnectivity_plumbing::metrics::GaugeGuard;
-use konnectivity_proto::flow::{self, ReceiveGate, Refused, SendWindow};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
+use tracing::Instrument;
 
 use crate::endpoint::{self, DialError, EndpointClosed};
 use crate::metrics::{AgentMetrics, Segment, ServerDirection};
@@ -61,9 +63,8 @@ impl TunnelEnd {
 /// `tunnels_ended_total`; `end` is set by whoever removes it from the
 /// table, and stays `ServerGone` when the session drops it.
 struct TunnelLife {
-    connect_id: ConnectId,
-    dial_id: DialId,
-    destination: String,
+    /// The tunnel's span: its ids for the closing line.
+    span: tracing::Span,
     started: Instant,
     bytes: Arc<TunnelBytes>,
     metrics: Arc<AgentMetrics>,
@@ -73,10 +74,8 @@ struct TunnelLife {
 impl Drop for TunnelLife {
     fn drop(&mut self) {
         self.metrics.tunnel_ended(self.end);
+        let _tunnel = self.span.enter();
         tracing::debug!(
-            connect_id = %self.connect_id,
-            dial_id = %self.dial_id,
-            destination = %self.destination,
             reason = self.end.label(),
             bytes_to_target = self.bytes.to_target(),
             bytes_from_target = self.bytes.from_target(),
@@ -87,9 +86,27 @@ impl Drop for TunnelLife {
 }
 
 /// A tunnel that ended before it was established.
-fn ended_before_established(metrics: &AgentMetrics, dial_id: DialId, destination: &str, reason: TunnelEnd) {
+fn ended_before_established(metrics: &AgentMetrics, tunnel: &tracing::Span, reason: TunnelEnd) {
     metrics.tunnel_ended(reason);
-    tracing::debug!(%dial_id, destination, reason = reason.label(), "tunnel ended before it was established");
+    tunnel.in_scope(|| tracing::debug!(reason = reason.label(), "tunnel ended before it was established"));
+}
+
+/// One span per tunnel, from DIAL_REQ to its end, as on the server: every
+/// -v=2 line of the tunnel carries its ids (and, from the stream's span,
+/// the server's id), so both processes' lines of one tunnel can be matched.
+fn tunnel_span(dial_id: DialId, destination: &str) -> tracing::Span {
+    tracing::debug_span!(
+        "tunnel",
+        %dial_id,
+        destination,
+        connect_id = tracing::field::Empty,
+    )
+}
+
+/// A dial in progress on its own task.
+struct PendingDial {
+    task: AbortHandle,
+    span: tracing::Span,
 }
 
 /// Settings a session needs from the agent's configuration.
@@ -103,11 +120,8 @@ pub struct SessionSettings {
     pub mark: Option<u32>,
 }
 
+/// What the session keeps with each endpoint connection in its table.
 struct Endpoint {
-    /// Unbounded: what it holds is bounded by `receive_gate`.
-    to_endpoint: mpsc::UnboundedSender<Bytes>,
-    receive_gate: ReceiveGate,
-    send_window: SendWindow,
     reader: AbortHandle,
     life: TunnelLife,
     _gauge: GaugeGuard,
@@ -116,16 +130,14 @@ struct Endpoint {
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
-        // The writer task ends once `to_endpoint` is dropped, after flushing
-        // what was queued; the reader must be stopped explicitly.
+        // The writer task ends once the connection's route is dropped, after
+        // flushing what was queued; the reader must be stopped explicitly.
         self.reader.abort();
-        self.send_window.close();
     }
 }
 
 struct Dialed {
     dial_id: DialId,
-    address: String,
     result: Result<TcpStream, DialError>,
     /// The connection's slot under --max-endpoint-connections.
     slot: Option<Slot>,
@@ -138,9 +150,8 @@ struct Session {
     /// The server agreed to per-connection flow control.
     flow_control: bool,
     next_connect_id: ConnectId,
-    /// Pending dials, with their destinations.
-    dials: HashMap<DialId, (AbortHandle, String)>,
-    endpoints: HashMap<ConnectId, Endpoint>,
+    dials: HashMap<DialId, PendingDial>,
+    endpoints: Connections<Bytes, Endpoint>,
     dialed_tx: mpsc::Sender<Dialed>,
     closed_tx: mpsc::Sender<EndpointClosed>,
 }
@@ -216,7 +227,7 @@ pub async fn run<S>(
     flow_control: bool,
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
-    mut drain: watch::Receiver<bool>,
+    drain: Watcher,
 ) -> StreamEnd
 where
     S: futures_util::Stream<Item = Result<Packet, tonic::Status>> + Unpin,
@@ -232,19 +243,17 @@ where
         flow_control,
         next_connect_id: ConnectId::FIRST,
         dials: HashMap::new(),
-        endpoints: HashMap::new(),
+        endpoints: Connections::default(),
         dialed_tx,
         closed_tx,
     };
+    // Sent once, whether the drain began before this stream or during it.
     let mut drained = false;
-    if *drain.borrow_and_update() && session.send(Frame::Drain).await.is_ok() {
-        drained = true;
-    }
     let reason = loop {
         let step = tokio::select! {
             Some(dialed) = dialed_rx.recv() => session.on_dialed(dialed).await,
             Some(closed) = closed_rx.recv() => session.on_endpoint_closed(closed).await,
-            Ok(()) = drain.changed(), if !drained => {
+            () = drain.signaled(), if !drained => {
                 drained = true;
                 session.send(Frame::Drain).await
             }
@@ -263,9 +272,9 @@ where
             break StreamEnd::Failed("sending to the server failed (outbound queue closed)".to_owned());
         }
     };
-    for (dial_id, (dial, address)) in session.dials.drain() {
-        dial.abort();
-        ended_before_established(&session.metrics, dial_id, &address, TunnelEnd::ServerGone);
+    for (_, dial) in session.dials.drain() {
+        dial.task.abort();
+        ended_before_established(&session.metrics, &dial.span, TunnelEnd::ServerGone);
     }
     reason
 }
@@ -293,12 +302,7 @@ impl Session {
         };
         match frame {
             Frame::Data { connect_id, data } => self.on_data(connect_id, data).await?,
-            Frame::WindowUpdate { connect_id, bytes } => {
-                // Unknown ids are connections that just ended; nothing to do.
-                if let Some(endpoint) = self.endpoints.get(&connect_id) {
-                    endpoint.send_window.grant(bytes);
-                }
-            }
+            Frame::WindowUpdate { connect_id, bytes } => self.endpoints.grant(connect_id, bytes),
             Frame::DialRequest {
                 protocol,
                 address,
@@ -312,9 +316,9 @@ impl Session {
                 self.send(Frame::CloseResponse { connect_id, error }).await?;
             }
             Frame::CloseDial { dial_id } => {
-                if let Some((dial, address)) = self.dials.remove(&dial_id) {
-                    dial.abort();
-                    ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::DialCancelled);
+                if let Some(dial) = self.dials.remove(&dial_id) {
+                    dial.task.abort();
+                    ended_before_established(&self.metrics, &dial.span, TunnelEnd::DialCancelled);
                 }
             }
             unexpected => {
@@ -333,32 +337,29 @@ impl Session {
     /// waits; with an upstream server it waits for a full endpoint, as
     /// upstream's agent does.
     async fn on_data(&mut self, connect_id: ConnectId, data: Bytes) -> Result<(), StreamGone> {
-        let Some(endpoint) = self.endpoints.get(&connect_id) else {
-            return self
-                .send(Frame::CloseResponse {
+        match self.endpoints.deliver(connect_id, data, || ()).await {
+            // A gone writer has already reported the endpoint closed; that
+            // report answers the server.
+            Delivery::Delivered | Delivery::ConsumerGone => Ok(()),
+            Delivery::Unknown => {
+                self.send(Frame::CloseResponse {
                     connect_id,
                     error: Some(format!("unknown connectID {connect_id}")),
                 })
-                .await;
-        };
-        match endpoint.receive_gate.admit(data.len()).await {
-            // A failed send means the writer already reported the endpoint
-            // closed; that report answers the server.
-            Ok(()) | Err(Refused::Closed) => {
-                let _ = endpoint.to_endpoint.send(data);
-                Ok(())
+                .await
             }
-            Err(overrun @ Refused::Overrun) => {
-                tracing::warn!(%connect_id, error = %overrun, "closing connection");
+            Delivery::Overrun { mut entry, error } => {
+                tracing::warn!(%connect_id, %error, "closing connection");
                 self.metrics.stream_errors.count(
                     Segment::ToAgent,
                     tonic::Code::ResourceExhausted,
                     Some(konnectivity_proto::PacketType::Data),
                 );
-                self.end_endpoint(connect_id, TunnelEnd::ProtocolError);
+                entry.state.life.end = TunnelEnd::ProtocolError;
+                drop(entry);
                 self.send(Frame::CloseResponse {
                     connect_id,
-                    error: Some(overrun.to_string()),
+                    error: Some(error.to_string()),
                 })
                 .await
             }
@@ -371,9 +372,10 @@ impl Session {
         address: String,
         dial_id: DialId,
     ) -> Result<(), StreamGone> {
-        tracing::debug!(%dial_id, destination = %address, "dial requested");
+        let tunnel = tunnel_span(dial_id, &address);
+        tunnel.in_scope(|| tracing::debug!("dial requested"));
         if protocol != "tcp" {
-            ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::DialFailed);
+            ended_before_established(&self.metrics, &tunnel, TunnelEnd::DialFailed);
             return self
                 .send(Frame::DialResponse {
                     dial_id,
@@ -384,7 +386,7 @@ impl Session {
                 .await;
         }
         if self.dials.contains_key(&dial_id) {
-            ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::DialFailed);
+            ended_before_established(&self.metrics, &tunnel, TunnelEnd::DialFailed);
             return self
                 .send(Frame::DialResponse {
                     dial_id,
@@ -402,7 +404,7 @@ impl Session {
             Some(Err(refused)) => {
                 self.metrics.dial_failed(crate::metrics::DialFailure::Limit);
                 tracing::warn!(%address, error = %refused, "dial refused");
-                ended_before_established(&self.metrics, dial_id, &address, TunnelEnd::Limit);
+                ended_before_established(&self.metrics, &tunnel, TunnelEnd::Limit);
                 return self
                     .send(Frame::DialResponse {
                         dial_id,
@@ -418,37 +420,35 @@ impl Session {
         let mark = self.settings.mark;
         let metrics = self.metrics.clone();
         let dialed = self.dialed_tx.clone();
-        let destination = address.clone();
-        let task = tokio::spawn(async move {
+        let dial = async move {
             let result = endpoint::dial(&address, timeout, mark, &metrics).await;
             let _ = dialed
                 .send(Dialed {
                     dial_id,
-                    address,
                     result,
                     slot,
                 })
                 .await;
-        });
-        self.dials.insert(dial_id, (task.abort_handle(), destination));
+        };
+        let task = tokio::spawn(dial.instrument(tunnel.clone()));
+        let pending = PendingDial {
+            task: task.abort_handle(),
+            span: tunnel,
+        };
+        self.dials.insert(dial_id, pending);
         Ok(())
     }
 
     async fn on_dialed(&mut self, dialed: Dialed) -> Result<(), StreamGone> {
-        if self.dials.remove(&dialed.dial_id).is_none() {
+        let Some(PendingDial { span: tunnel, .. }) = self.dials.remove(&dialed.dial_id) else {
             // Cancelled by DIAL_CLS while connecting: dropping the stream closes it.
             return Ok(());
-        }
+        };
         let stream = match dialed.result {
             Ok(stream) => stream,
             Err(DialError(error)) => {
-                tracing::debug!(dial_id = %dialed.dial_id, destination = %dialed.address, %error, "dial failed");
-                ended_before_established(
-                    &self.metrics,
-                    dialed.dial_id,
-                    &dialed.address,
-                    TunnelEnd::DialFailed,
-                );
+                tunnel.in_scope(|| tracing::debug!(%error, "dial failed"));
+                ended_before_established(&self.metrics, &tunnel, TunnelEnd::DialFailed);
                 return self
                     .send(Frame::DialResponse {
                         dial_id: dialed.dial_id,
@@ -465,44 +465,32 @@ impl Session {
             result: Ok(connect_id),
         };
         if let Err(gone) = self.send(answer).await {
-            ended_before_established(
-                &self.metrics,
-                dialed.dial_id,
-                &dialed.address,
-                TunnelEnd::ServerGone,
-            );
+            ended_before_established(&self.metrics, &tunnel, TunnelEnd::ServerGone);
             return Err(gone);
         }
-        tracing::debug!(%connect_id, dial_id = %dialed.dial_id, destination = %dialed.address, "tunnel established");
+        tunnel.record("connect_id", tracing::field::display(connect_id));
+        tunnel.in_scope(|| tracing::debug!("tunnel established"));
         let bytes = Arc::new(TunnelBytes::default());
         let (read, write) = stream.into_split();
-        let (to_endpoint, from_server) = mpsc::unbounded_channel();
-        let (receive_gate, receive_credit) = flow::receive_window(self.flow_control);
-        let send_window = SendWindow::new(self.flow_control);
+        let (route, port) = konnectivity_mux::connection(self.flow_control);
+        let send_window = port.send_window();
         let stream = endpoint::StreamHandle {
             connect_id,
             outbound: self.outbound.clone(),
             closed: self.closed_tx.clone(),
             bytes: bytes.clone(),
         };
-        tokio::spawn(endpoint::pump_to_endpoint(
-            write,
-            from_server,
-            receive_credit,
-            stream.clone(),
-        ));
-        let reader = tokio::spawn(endpoint::pump_from_endpoint(read, send_window.clone(), stream));
+        let writer = endpoint::pump_to_endpoint(write, port, stream.clone());
+        tokio::spawn(writer.instrument(tunnel.clone()));
+        let reader = endpoint::pump_from_endpoint(read, send_window, stream);
+        let reader = tokio::spawn(reader.instrument(tunnel.clone()));
         self.endpoints.insert(
             connect_id,
+            route,
             Endpoint {
-                to_endpoint,
-                receive_gate,
-                send_window,
                 reader: reader.abort_handle(),
                 life: TunnelLife {
-                    connect_id,
-                    dial_id: dialed.dial_id,
-                    destination: dialed.address,
+                    span: tunnel,
                     started: Instant::now(),
                     bytes,
                     metrics: self.metrics.clone(),
@@ -517,9 +505,9 @@ impl Session {
 
     /// Removes an endpoint from the table because of `reason`; whether it was there.
     fn end_endpoint(&mut self, connect_id: ConnectId, reason: TunnelEnd) -> bool {
-        match self.endpoints.remove(&connect_id) {
+        match self.endpoints.remove(connect_id) {
             Some(mut endpoint) => {
-                endpoint.life.end = reason;
+                endpoint.state.life.end = reason;
                 true
             }
             None => false,
@@ -532,10 +520,13 @@ impl Session {
             None => TunnelEnd::TargetClosed,
             Some(_) => TunnelEnd::TargetError,
         };
-        if self.end_endpoint(closed.connect_id, reason) {
+        if let Some(mut endpoint) = self.endpoints.remove(closed.connect_id) {
             if let Some(error) = &closed.error {
-                tracing::debug!(connect_id = %closed.connect_id, %error, "endpoint connection failed");
+                let tunnel = &endpoint.state.life.span;
+                tunnel.in_scope(|| tracing::debug!(%error, "endpoint connection failed"));
             }
+            endpoint.state.life.end = reason;
+            drop(endpoint);
             // The error tells the client its connection was cut (a reset),
             // not ended: a reader of "everything until EOF" must not take a
             // truncated answer for a whole one. Upstream's servers and

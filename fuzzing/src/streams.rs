@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Buf;
-use konnectivity_proto::flow::{self, SendWindow};
 use konnectivity_proto::{DialId, Packet, PacketType};
 use prost::Message;
 use tokio::sync::{mpsc, watch};
@@ -123,23 +122,20 @@ pub fn server_stream(data: &[u8]) {
         // Two frontends wait on dials 1 and 2, which fuzzed DIAL_RSPs may answer.
         let mut frontends = Vec::new();
         for id in [1, 2] {
-            let (events, mut receiver) = mpsc::unbounded_channel();
-            let (receive_gate, mut credit) = flow::receive_window(flow_control);
+            let (route, mut port) = konnectivity_mux::connection(flow_control);
             backend
                 .command(Command::Dial {
                     dial_id: DialId::new(id),
                     address: "192.0.2.1:443".to_owned(),
-                    events,
-                    send_window: SendWindow::new(flow_control),
-                    receive_gate,
+                    route,
                 })
                 .await
                 .expect("the session takes commands");
             if frontends_read {
                 frontends.push(tokio::spawn(async move {
-                    while let Some(event) = receiver.recv().await {
+                    while let Some(event) = port.recv().await {
                         if let Event::Data(bytes) = event {
-                            let _ = credit.consumed(bytes.len());
+                            let _ = port.written(bytes.len());
                         }
                     }
                 }));
@@ -147,7 +143,7 @@ pub fn server_stream(data: &[u8]) {
                 frontends.push(tokio::spawn(async move {
                     // Holds on, reading nothing, until the end.
                     std::future::pending::<()>().await;
-                    drop((receiver, credit));
+                    drop(port);
                 }));
             }
         }
@@ -234,7 +230,7 @@ pub fn agent_stream(data: &[u8]) {
         let (outbound, mut to_server) = mpsc::channel(64);
         tokio::spawn(async move { while to_server.recv().await.is_some() {} });
         let (from_server, inbound) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
-        let (_drain_tx, drain) = watch::channel(false);
+        let (_drain, drain) = konnectivity_plumbing::lifecycle::channel();
         let session = tokio::spawn(session::run(
             UnboundedReceiverStream::new(inbound),
             outbound,
@@ -348,7 +344,7 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
                 }
             }
         });
-        let (_drain_tx, drain) = watch::channel(false);
+        let (_drain, drain) = konnectivity_plumbing::lifecycle::channel();
         tokio::spawn(session::run(
             UnboundedReceiverStream::new(agent_inbound),
             agent_outbound,

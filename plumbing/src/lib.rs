@@ -6,6 +6,7 @@ pub mod flags;
 pub mod http;
 pub mod klog;
 pub mod kube;
+pub mod lifecycle;
 pub mod limit;
 pub mod logging;
 pub mod metrics;

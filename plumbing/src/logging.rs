@@ -42,6 +42,9 @@ pub fn init(verbosity: u32, format: LogFormat, log_file: Option<&std::path::Path
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(false)
+        // Span fields are kept as JSON objects, so both formats can write
+        // them as the event's own (see `KubernetesFormat`).
+        .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
         .event_format(KubernetesFormat {
             format,
             pid: std::process::id(),
@@ -80,16 +83,30 @@ where
         let line = meta.line().unwrap_or(0);
         let mut fields = Fields::default();
         event.record(&mut fields);
-        // The fields of the spans the event is in, outermost first, as
-        // logr's WithValues context.
-        let mut context = String::new();
+        // The fields of the spans the event is in (a tunnel's ids, a server
+        // stream's server_id), outermost first, written as the event's own
+        // as logr writes a WithValues context; the event's own field of the
+        // same name wins.
+        let mut context: Vec<(String, Value)> = Vec::new();
         if let Some(scope) = ctx.event_scope() {
             for span in scope.from_root() {
-                if let Some(formatted) = span.extensions().get::<FormattedFields<N>>()
-                    && !formatted.is_empty()
-                {
-                    context.push(' ');
-                    context.push_str(formatted);
+                let extensions = span.extensions();
+                let Some(formatted) = extensions.get::<FormattedFields<N>>() else {
+                    continue;
+                };
+                let Ok(serde_json::Value::Object(map)) = serde_json::from_str(formatted) else {
+                    continue;
+                };
+                for (key, value) in map {
+                    if fields.values.iter().any(|(own, _)| *own == key) {
+                        continue;
+                    }
+                    let value = match value {
+                        serde_json::Value::String(text) => Value::Text(text),
+                        other => Value::Raw(other.to_string()),
+                    };
+                    context.retain(|(outer, _)| *outer != key);
+                    context.push((key, value));
                 }
             }
         }
@@ -114,14 +131,16 @@ where
                     self.pid,
                 )?;
                 write_quoted(&mut writer, &fields.message)?;
-                for (key, value) in &fields.values {
+                let own = fields.values.iter().map(|(key, value)| (*key, value));
+                let spans = context.iter().map(|(key, value)| (key.as_str(), value));
+                for (key, value) in own.chain(spans) {
                     write!(writer, " {key}=")?;
                     match value {
                         Value::Raw(raw) => writer.write_str(raw)?,
                         Value::Text(text) => write_quoted(&mut writer, text)?,
                     }
                 }
-                writeln!(writer, "{context}")
+                writeln!(writer)
             }
             LogFormat::Json => {
                 let mut object = serde_json::Map::new();
@@ -137,18 +156,19 @@ where
                 if *meta.level() == Level::WARN {
                     object.insert("level".into(), "warning".into());
                 }
-                for (key, value) in fields.values {
-                    let key = if key == "error" { "err" } else { key };
+                let own = fields
+                    .values
+                    .into_iter()
+                    .map(|(key, value)| (key.to_owned(), value));
+                for (key, value) in own.chain(context) {
+                    let key = if key == "error" { "err".to_owned() } else { key };
                     let value = match value {
                         Value::Raw(raw) => {
                             serde_json::from_str(&raw).unwrap_or(serde_json::Value::String(raw))
                         }
                         Value::Text(text) => text.into(),
                     };
-                    object.insert(key.to_owned(), value);
-                }
-                if !context.is_empty() {
-                    object.insert("context".into(), context.trim_start().into());
+                    object.insert(key, value);
                 }
                 writeln!(writer, "{}", serde_json::Value::Object(object))
             }
@@ -288,6 +308,67 @@ mod tests {
         assert_eq!((civil.hour, civil.minute, civil.second), (7, 44, 4));
         let leap = Civil::from_unix(951_782_400);
         assert_eq!((leap.year, leap.month, leap.day), (2000, 2, 29));
+    }
+
+    /// What `format` writes for one event inside a tunnel-like span.
+    fn rendered(format: LogFormat) -> String {
+        use std::sync::{Arc, Mutex};
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(KubernetesFormat { format, pid: 1 })
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let stream = tracing::info_span!("server stream", server_id = "s-1");
+            let _stream = stream.enter();
+            let tunnel = tracing::debug_span!(
+                "tunnel",
+                dial_id = 7,
+                destination = "10.0.0.1:443",
+                connect_id = tracing::field::Empty
+            );
+            tunnel.record("connect_id", 3);
+            let _tunnel = tunnel.enter();
+            tracing::debug!(reason = "target_closed", destination = "own", "tunnel closed");
+        });
+        String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap()
+    }
+
+    /// Span fields, recorded at creation or later, are written as the
+    /// event's own keys in both formats, so one tunnel's lines can be
+    /// matched by their ids (and JSON readers find them at the top level).
+    #[test]
+    fn span_fields_are_written_as_the_events_own() {
+        let text = rendered(LogFormat::Text);
+        assert!(
+            text.ends_with(
+                "] \"tunnel closed\" reason=\"target_closed\" destination=\"own\" server_id=\"s-1\" \
+                 connect_id=3 dial_id=7\n"
+            ),
+            "{text}"
+        );
+        let json: serde_json::Value = serde_json::from_str(&rendered(LogFormat::Json)).unwrap();
+        assert_eq!(json["msg"], "tunnel closed");
+        assert_eq!(json["server_id"], "s-1");
+        assert_eq!(json["connect_id"], 3);
+        assert_eq!(json["dial_id"], 7);
+        assert_eq!(json["destination"], "own", "the event's own field wins");
+        assert_eq!(json["v"], 2);
     }
 
     #[test]

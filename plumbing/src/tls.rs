@@ -344,16 +344,31 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Accepts TCP connections and completes their TLS handshakes concurrently,
 /// so one slow or hostile peer cannot hold up the accept loop. Failed
 /// handshakes are logged and dropped; only established streams come out.
+/// With `stop`, the listening socket closes as soon as the drain is
+/// signalled (the stream of connections then ends); without, it accepts
+/// until the runtime stops.
 pub fn accept_tls(
     listener: TcpListener,
     acceptor: TlsAcceptor,
     what: &'static str,
+    stop: Option<crate::lifecycle::Watcher>,
 ) -> mpsc::Receiver<TlsStream<TcpStream>> {
     let (tx, rx) = mpsc::channel(64);
     let warned = Arc::new(WarnedPeers::default());
     tokio::spawn(async move {
+        let stopped = async {
+            match &stop {
+                Some(stop) => stop.signaled().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(stopped);
         loop {
-            let (tcp, peer) = match listener.accept().await {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = &mut stopped => return,
+            };
+            let (tcp, peer) = match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
                     tracing::warn!(%error, listener = what, "accept failed");

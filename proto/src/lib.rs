@@ -7,7 +7,6 @@
 #![allow(clippy::large_enum_variant)]
 
 pub mod codec;
-pub mod flow;
 mod frame;
 mod identifiers;
 mod ids;

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use konnectivity_plumbing::kube::KubeClient;
+use konnectivity_plumbing::lifecycle::{self, Drained, Watcher};
 use konnectivity_plumbing::limit::Limit;
 use konnectivity_plumbing::tls::{self, TlsError};
 use konnectivity_proto::wire::agent_service_server::AgentServiceServer;
@@ -79,14 +80,43 @@ async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, S
 }
 
 /// TLS connections from `listener`, handshaken concurrently, as the
-/// incoming stream a tonic server takes.
+/// incoming stream a tonic server takes; with `stop`, it ends when the drain
+/// is signalled.
 fn tls_incoming(
     listener: TcpListener,
     tls: rustls::ServerConfig,
     what: &'static str,
+    stop: Option<Watcher>,
 ) -> impl futures_util::Stream<Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>>
 {
-    ReceiverStream::new(tls::accept_tls(listener, TlsAcceptor::from(Arc::new(tls)), what)).map(Ok)
+    ReceiverStream::new(tls::accept_tls(
+        listener,
+        TlsAcceptor::from(Arc::new(tls)),
+        what,
+        stop,
+    ))
+    .map(Ok)
+}
+
+/// Serves a gRPC frontend until the drain is signalled, then sends GOAWAY
+/// on each connection and returns once they have all closed, holding the
+/// drain until then.
+async fn serve_grpc_frontend<IO>(
+    server: tonic::transport::server::Router,
+    incoming: impl futures_util::Stream<Item = Result<IO, std::io::Error>>,
+    watcher: Watcher,
+) -> Result<(), tonic::transport::Error>
+where
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+{
+    server
+        .serve_with_incoming_shutdown(incoming, watcher.signaled())
+        .await
 }
 
 /// The gRPC frontend's server: ProxyService only, with windows sized for
@@ -110,6 +140,9 @@ fn grpc_server(keepalive: Option<Duration>) -> tonic::transport::Server {
 
 /// Runs the server until `shutdown` resolves or a listener fails.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+    // Every frontend listener and connection watches this: shutting down
+    // is triggering it and waiting for them (see `lifecycle`).
+    let (trigger, watcher) = lifecycle::channel();
     let metrics = Arc::new(ServerMetrics::default());
     let metrics_for_shutdown = metrics.clone();
     let registry = Arc::new(Registry::new(config.strategies.clone(), metrics.clone()));
@@ -128,7 +161,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         &[b"h2"],
         tls13_only,
     )?;
-    let agent_streams = tls_incoming(agent_listener, agent_tls, "agent");
+    // Agents may still connect while the frontends drain: their tunnels need them.
+    let agent_streams = tls_incoming(agent_listener, agent_tls, "agent", None);
     let agent_service = AgentServer::new(
         registry.clone(),
         metrics.clone(),
@@ -167,7 +201,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 &[b"h2"],
                 tls13_only,
             )?;
-            let incoming = tls_incoming(listener, tls, "node frontend");
+            let watcher = watcher.clone();
+            let incoming = tls_incoming(listener, tls, "node frontend", Some(watcher.clone()));
             let node_dialer = Dialer {
                 class: FrontendClass::Node,
                 node_allowed: Arc::new(node.allowed.clone()),
@@ -176,10 +211,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
                 ..dialer.clone()
             };
             Some(tokio::spawn(async move {
-                if let Err(error) = grpc_frontend(node_dialer, frontend_keepalive)
-                    .serve_with_incoming(incoming)
-                    .await
-                {
+                let server = grpc_frontend(node_dialer, frontend_keepalive);
+                if let Err(error) = serve_grpc_frontend(server, incoming, watcher).await {
                     tracing::error!(%error, "node frontend failed");
                 }
             }))
@@ -195,8 +228,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             },
         ) => {
             let listener = listen::bind_uds(path, *delete_existing)?;
+            let watcher = watcher.clone();
             tokio::spawn(async move {
-                listen::accept_uds(listener, move |stream| connect::serve(stream, dialer.clone())).await;
+                listen::accept_uds(listener, watcher, move |stream| {
+                    connect::serve(stream, dialer.clone())
+                })
+                .await;
                 Ok(())
             })
         }
@@ -210,8 +247,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         ) => {
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
             let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"], tls13_only)?;
+            let watcher = watcher.clone();
             tokio::spawn(async move {
-                listen::accept_tls(listener, Arc::new(tls), move |stream| {
+                listen::accept_tls(listener, Arc::new(tls), watcher, move |stream| {
                     connect::serve(stream, dialer.clone())
                 })
                 .await;
@@ -229,7 +267,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             // grpc-go names the socket path as :authority; see the module.
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
                 .map(|stream| stream.map(TolerantAuthority::new));
-            tokio::spawn(grpc_frontend(dialer, frontend_keepalive).serve_with_incoming(incoming))
+            let server = grpc_frontend(dialer, frontend_keepalive);
+            tokio::spawn(serve_grpc_frontend(server, incoming, watcher.clone()))
         }
         (
             Mode::Grpc,
@@ -241,8 +280,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         ) => {
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
             let tls = tls::server_config(identity, Some(client_ca), &[b"h2"], tls13_only)?;
-            let incoming = tls_incoming(listener, tls, "frontend");
-            tokio::spawn(grpc_frontend(dialer, frontend_keepalive).serve_with_incoming(incoming))
+            let incoming = tls_incoming(listener, tls, "frontend", Some(watcher.clone()));
+            let server = grpc_frontend(dialer, frontend_keepalive);
+            tokio::spawn(serve_grpc_frontend(server, incoming, watcher.clone()))
         }
     };
     // Health is served once every listener is bound: /healthz (or a
@@ -268,45 +308,40 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             Err(join) => Err(ServeError::Config(format!("frontend task failed: {join}"))),
         },
     };
-    // Stop accepting: new clients are refused (the socket file goes), while
-    // the tunnels already open run on in their own tasks.
-    frontend_task.abort();
-    if let Some(node_task) = &node_task {
-        node_task.abort();
-    }
+    // Only the frontends' tasks hold the drain from here on.
+    drop(watcher);
+    // Stop accepting: new clients are refused (the listening sockets close,
+    // the socket file goes, gRPC clients get GOAWAY), while the tunnels
+    // already open run on until they end.
+    trigger.signal();
     if let FrontendListen::Uds { path, .. } = &config.frontend {
         let _ = std::fs::remove_file(path);
     }
     if shut_down && !config.graceful_shutdown_timeout.is_zero() {
-        drain_tunnels(&metrics_for_shutdown, config.graceful_shutdown_timeout).await;
+        drain_tunnels(trigger, &metrics_for_shutdown, config.graceful_shutdown_timeout).await;
     }
+    drop(frontend_task);
+    drop(node_task);
     health_task.abort();
     result
 }
 
-/// Waits until no tunnel is open or being dialed, or `limit` passed; what
-/// is still open then is cut when the process exits.
-async fn drain_tunnels(metrics: &ServerMetrics, limit: Duration) {
-    let open = || {
-        metrics.established_connections.get()
-            + metrics.pending_backend_dials.get()
-            + metrics.http_connections.get()
-    };
-    let deadline = tokio::time::Instant::now() + limit;
+/// Waits until every frontend connection has ended (and with it its
+/// tunnel), or `limit` passed; what is still open then is cut when the
+/// process exits.
+async fn drain_tunnels(trigger: lifecycle::Trigger, metrics: &ServerMetrics, limit: Duration) {
     tracing::info!(
-        open = open(),
+        tunnels = metrics.established_connections.get(),
+        dials = metrics.pending_backend_dials.get(),
         ?limit,
         "waiting for open tunnels to end (--graceful-shutdown-timeout)"
     );
-    while open() > 0 {
-        if tokio::time::Instant::now() >= deadline {
-            tracing::warn!(
-                open = open(),
-                "graceful shutdown timeout reached; cutting open tunnels"
-            );
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    match trigger.drain(limit).await {
+        Drained::Complete => tracing::info!("all tunnels ended"),
+        Drained::TimedOut { remaining } => tracing::warn!(
+            connections = remaining,
+            tunnels = metrics.established_connections.get(),
+            "graceful shutdown timeout reached; cutting open tunnels"
+        ),
     }
-    tracing::info!("all tunnels ended");
 }

@@ -5,10 +5,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tracing::Instrument;
+
 use bytes::Bytes;
-use konnectivity_proto::flow::{self, ReceiveCredit, SendWindow};
+use konnectivity_mux::Port;
+use konnectivity_mux::flow::SendWindow;
 use konnectivity_proto::{ConnectId, DialId, Frame};
-use tokio::sync::mpsc;
 
 use crate::backend::registry::Registry;
 use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
@@ -122,11 +124,10 @@ impl TunnelEnd {
 }
 
 /// A dial not yet answered: counted as cancelled if the caller drops it
-/// before it resolves one way or the other.
+/// before it resolves one way or the other. Lives inside the tunnel's span,
+/// which carries its ids.
 struct DialInFlight<'a> {
     metrics: &'a ServerMetrics,
-    address: &'a str,
-    dial_id: DialId,
     armed: bool,
 }
 
@@ -135,7 +136,7 @@ impl DialInFlight<'_> {
     fn failed(mut self, error: DialError) -> DialError {
         self.armed = false;
         self.metrics.tunnel_ended(error.end());
-        tracing::debug!(dial_id = %self.dial_id, destination = self.address, reason = error.end().label(), %error, "tunnel ended before it was established");
+        tracing::debug!(reason = error.end().label(), %error, "tunnel ended before it was established");
         error
     }
 
@@ -149,7 +150,10 @@ impl Drop for DialInFlight<'_> {
     fn drop(&mut self) {
         if self.armed {
             self.metrics.tunnel_ended(TunnelEnd::DialCancelled);
-            tracing::debug!(dial_id = %self.dial_id, destination = self.address, reason = TunnelEnd::DialCancelled.label(), "tunnel ended before it was established");
+            tracing::debug!(
+                reason = TunnelEnd::DialCancelled.label(),
+                "tunnel ended before it was established"
+            );
         }
     }
 }
@@ -158,10 +162,8 @@ impl Drop for DialInFlight<'_> {
 /// `tunnels_ended_total`. The frontend says how it ended with [`TunnelLife::end`];
 /// dropped without that (its task cancelled), it ended with the server.
 pub struct TunnelLife {
-    connect_id: ConnectId,
-    dial_id: DialId,
-    agent_id: String,
-    destination: String,
+    /// The tunnel's span: its ids for the closing line.
+    span: tracing::Span,
     started: Instant,
     bytes: Arc<TunnelBytes>,
     metrics: Arc<ServerMetrics>,
@@ -177,11 +179,8 @@ impl TunnelLife {
 impl Drop for TunnelLife {
     fn drop(&mut self) {
         self.metrics.tunnel_ended(self.end);
+        let _tunnel = self.span.enter();
         tracing::debug!(
-            connect_id = %self.connect_id,
-            dial_id = %self.dial_id,
-            agent_id = %self.agent_id,
-            destination = %self.destination,
             reason = self.end.label(),
             bytes_to_target = self.bytes.to_target(),
             bytes_from_target = self.bytes.from_target(),
@@ -210,23 +209,39 @@ impl Dialer {
     /// Dials `address` (`host:port`) with a dial id of the caller's choosing
     /// (gRPC clients pick their own; HTTP CONNECT uses a random one).
     pub async fn dial(&self, address: &str, dial_id: DialId) -> Result<TunnelConn, DialError> {
-        tracing::debug!(%dial_id, destination = address, client = self.class.label(), "dial requested");
-        let in_flight = DialInFlight {
-            metrics: &self.metrics,
-            address,
-            dial_id,
-            armed: true,
-        };
-        match self.dial_agent(address, dial_id).await {
-            Ok(connection) => {
-                in_flight.established();
-                Ok(connection)
+        // One span per tunnel, from the dial to its end, on this side and
+        // on the agent's: every -v=2 line of the tunnel carries its ids, so
+        // the two processes' lines of one tunnel can be matched.
+        let span = tracing::debug_span!(
+            "tunnel",
+            %dial_id,
+            destination = address,
+            agent_id = tracing::field::Empty,
+            connect_id = tracing::field::Empty,
+        );
+        let dial = async {
+            tracing::debug!(client = self.class.label(), "dial requested");
+            let in_flight = DialInFlight {
+                metrics: &self.metrics,
+                armed: true,
+            };
+            match self.dial_agent(address, dial_id, &span).await {
+                Ok(connection) => {
+                    in_flight.established();
+                    Ok(connection)
+                }
+                Err(error) => Err(in_flight.failed(error)),
             }
-            Err(error) => Err(in_flight.failed(error)),
-        }
+        };
+        dial.instrument(span.clone()).await
     }
 
-    async fn dial_agent(&self, address: &str, dial_id: DialId) -> Result<TunnelConn, DialError> {
+    async fn dial_agent(
+        &self,
+        address: &str,
+        dial_id: DialId,
+        span: &tracing::Span,
+    ) -> Result<TunnelConn, DialError> {
         if self.class == FrontendClass::Node
             && let Err(refused) = check_node_destination(&self.node_allowed, address)
         {
@@ -250,16 +265,13 @@ impl Dialer {
             self.metrics.dial_failed(DialFailure::NoAgent);
             return Err(DialError::NoBackend);
         };
-        let (events_tx, mut events) = mpsc::unbounded_channel();
-        let send_window = SendWindow::new(backend.flow_control);
-        let (receive_gate, receive_credit) = flow::receive_window(backend.flow_control);
+        let (route, mut port) = konnectivity_mux::connection(backend.flow_control);
+        let send_window = port.send_window();
         backend
             .command(Command::Dial {
                 dial_id,
                 address: address.to_owned(),
-                events: events_tx,
-                send_window: send_window.clone(),
-                receive_gate,
+                route,
             })
             .await
             .map_err(|BackendGone| DialError::BackendGone)?;
@@ -270,10 +282,10 @@ impl Dialer {
             armed: true,
         };
         let answer = match self.timeout {
-            Some(limit) => tokio::time::timeout(limit, events.recv())
+            Some(limit) => tokio::time::timeout(limit, port.recv())
                 .await
                 .map_err(|_| DialError::Timeout(limit)),
-            None => Ok(events.recv().await),
+            None => Ok(port.recv().await),
         };
         let answer = match answer {
             Ok(answer) => answer,
@@ -285,7 +297,9 @@ impl Dialer {
         cancel.armed = false;
         match answer {
             Some(Event::Dialed(Ok(connect_id))) => {
-                tracing::debug!(%connect_id, %dial_id, agent_id = %backend.agent_id, destination = address, "tunnel established");
+                span.record("agent_id", backend.agent_id.as_str());
+                span.record("connect_id", tracing::field::display(connect_id));
+                tracing::debug!("tunnel established");
                 let bytes = Arc::new(TunnelBytes::default());
                 Ok(TunnelConn {
                     connect_id,
@@ -299,16 +313,12 @@ impl Dialer {
                     receiver: TunnelReceiver {
                         backend: backend.clone(),
                         connect_id,
-                        events,
-                        credit: receive_credit,
+                        port,
                         unconsumed: 0,
                         bytes: bytes.clone(),
                     },
                     life: TunnelLife {
-                        connect_id,
-                        dial_id,
-                        agent_id: backend.agent_id.clone(),
-                        destination: address.to_owned(),
+                        span: span.clone(),
                         started: Instant::now(),
                         bytes,
                         metrics: self.metrics.clone(),
@@ -347,6 +357,11 @@ pub struct TunnelConn {
 }
 
 impl TunnelConn {
+    /// The tunnel's span (its ids), for the frontend to run its relay in.
+    pub fn span(&self) -> tracing::Span {
+        self.life.span.clone()
+    }
+
     /// Splits into the half that sends to the agent, the half that
     /// receives from it (so both directions can run at once) and the
     /// record that says, when the frontend is done, how the tunnel ended.
@@ -428,8 +443,7 @@ impl RemoteEnd {
 pub struct TunnelReceiver {
     backend: Arc<Backend>,
     connect_id: ConnectId,
-    events: mpsc::UnboundedReceiver<Event>,
-    credit: ReceiveCredit,
+    port: Port<Event>,
     /// Length of the chunk handed out last: asking for the next one means
     /// the caller has written it, so its credit goes back to the agent.
     unconsumed: usize,
@@ -442,7 +456,7 @@ impl TunnelReceiver {
     pub async fn recv(&mut self) -> Result<Bytes, RemoteEnd> {
         let consumed = std::mem::take(&mut self.unconsumed);
         if consumed > 0
-            && let Some(bytes) = self.credit.consumed(consumed)
+            && let Some(bytes) = self.port.written(consumed)
         {
             let update = Frame::WindowUpdate {
                 connect_id: self.connect_id,
@@ -452,7 +466,7 @@ impl TunnelReceiver {
                 return Err(RemoteEnd::AgentGone);
             }
         }
-        let event = self.events.recv().await;
+        let event = self.port.recv().await;
         if let Some(Event::Data(data)) = &event {
             self.unconsumed = data.len();
             self.bytes.received_from_target(data.len());

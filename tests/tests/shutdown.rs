@@ -11,9 +11,13 @@ use support::targets;
 use tokio::io::AsyncReadExt;
 
 async fn start(timeout: &str) -> (Setup, targets::Target) {
+    start_mode("http-connect", timeout).await
+}
+
+async fn start_mode(mode: &str, timeout: &str) -> (Setup, targets::Target) {
     let flags = [format!("--graceful-shutdown-timeout={timeout}")];
     (
-        Setup::with_flags("http-connect", true, &flags, &[]).await,
+        Setup::with_flags(mode, true, &flags, &[]).await,
         targets::blob().await,
     )
 }
@@ -54,6 +58,54 @@ async fn open_tunnels_finish_after_sigterm_and_the_server_exits_when_they_end() 
     let closed = Instant::now();
     let status = server.proc.wait_exit(Duration::from_secs(5)).await;
     assert!(status.is_some(), "the server exits once its last tunnel ended");
+    assert!(
+        closed.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        closed.elapsed()
+    );
+}
+
+/// The gRPC frontend drains as HTTP/2 does: GOAWAY on the client's
+/// connection, so a new dial on it fails at once while the open Proxy
+/// stream carries on; the server exits when that stream ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_clients_get_goaway_and_their_open_tunnels_finish() {
+    let (mut setup, target) = start_mode("grpc", "30s").await;
+    let server = &mut setup.server;
+    let tunnel = konnectivity_client::Tunnel::connect_uds(server.uds_path())
+        .await
+        .unwrap();
+    let mut open = tunnel.dial(&target.addr.to_string()).await.unwrap();
+
+    server.proc.signal("TERM");
+    let refused = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if tunnel.dial(&target.addr.to_string()).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        refused.is_ok(),
+        "new dials on the open connection must fail after SIGTERM"
+    );
+    let (sent, received) = targets::push(&mut open, 16 << 20, 3).await.unwrap();
+    assert_eq!(sent, received);
+    assert!(
+        server.proc.wait_exit(Duration::from_millis(300)).await.is_none(),
+        "the server waits while a Proxy stream is open"
+    );
+
+    drop(open);
+    drop(tunnel);
+    let closed = Instant::now();
+    let status = server.proc.wait_exit(Duration::from_secs(5)).await;
+    assert!(
+        status.is_some(),
+        "the server exits once its last Proxy stream ended"
+    );
     assert!(
         closed.elapsed() < Duration::from_secs(3),
         "took {:?}",

@@ -1,11 +1,12 @@
 //! Backends: the agent streams connected to this server.
 //!
 //! Each agent stream is served by one session task ([`session`]) that owns
-//! its pending dials and its connection table; frontends talk to it through
-//! a bounded command channel and get [`Event`]s back on a per-connection
-//! channel whose bytes are bounded by the connection's receive window
-//! ([`konnectivity_proto::flow`]). DATA from a frontend goes straight onto the agent's outbound
-//! queue, without a hop through the session task.
+//! its pending dials and its connection table (the multiplexer core,
+//! [`konnectivity_mux`]); frontends talk to it through a bounded command
+//! channel and get [`Event`]s back on their connection's port, whose DATA is
+//! bounded by the connection's receive window. DATA from a frontend goes
+//! straight onto the agent's outbound queue, without a hop through the
+//! session task.
 
 pub mod registry;
 pub mod session;
@@ -15,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
-use konnectivity_proto::flow::{ReceiveGate, SendWindow};
+use konnectivity_mux::Route;
 use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, Frame, Packet};
 use tokio::sync::mpsc;
 
@@ -33,7 +34,7 @@ pub struct Backend {
     pub identifiers: AgentIdentifiers,
     /// A control-plane agent: serves node dials only (see [`crate::policy`]).
     pub control_plane: bool,
-    /// The agent negotiated per-connection flow control ([`konnectivity_proto::flow`]).
+    /// The agent negotiated per-connection flow control ([`konnectivity_mux::flow`]).
     pub flow_control: bool,
     /// Packets to the agent, in order; the gRPC response stream drains it.
     outbound: mpsc::Sender<Packet>,
@@ -46,14 +47,12 @@ pub struct Backend {
 /// What a frontend asks of a backend's session.
 #[derive(Debug)]
 pub enum Command {
-    /// Register a dial and send DIAL_REQ; the answer arrives on `events`.
-    /// The windows are the connection's, once the dial succeeds.
+    /// Register a dial and send DIAL_REQ; the answer arrives through
+    /// `route`, which becomes the connection's once the dial succeeds.
     Dial {
         dial_id: DialId,
         address: String,
-        events: mpsc::UnboundedSender<Event>,
-        send_window: SendWindow,
-        receive_gate: ReceiveGate,
+        route: Route<Event>,
     },
     /// The frontend gave up on a dial it started (DIAL_CLS to the agent).
     CancelDial { dial_id: DialId },
@@ -68,6 +67,12 @@ pub enum Event {
     Data(Bytes),
     /// The connection ended; `Some` carries why, when it was not a clean close.
     Closed(Option<String>),
+}
+
+impl From<Bytes> for Event {
+    fn from(data: Bytes) -> Self {
+        Event::Data(data)
+    }
 }
 
 /// The error text frontends see when an agent stream goes away.

@@ -5,9 +5,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures_util::FutureExt;
+use konnectivity_mux::{Connections, Delivery, Route};
 use konnectivity_plumbing::metrics::GaugeGuard;
-use konnectivity_proto::flow::{ReceiveGate, Refused, SendWindow};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet, PacketType};
 use tokio::sync::mpsc;
 
@@ -16,33 +15,18 @@ use super::{Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, Established, Segment, ServerMetrics};
 
 struct PendingDial {
-    events: mpsc::UnboundedSender<Event>,
-    send_window: SendWindow,
-    receive_gate: ReceiveGate,
+    /// Becomes the connection's route once the dial succeeds.
+    route: Route<Event>,
     started: Instant,
     _gauge: GaugeGuard,
-}
-
-struct Connection {
-    /// Unbounded: what it holds is bounded by `receive_gate`.
-    events: mpsc::UnboundedSender<Event>,
-    send_window: SendWindow,
-    receive_gate: ReceiveGate,
-    _established: Established,
-}
-
-impl Drop for Connection {
-    fn drop(&mut self) {
-        // A frontend waiting for credit must learn the connection is gone.
-        self.send_window.close();
-    }
 }
 
 struct Session {
     backend: Arc<Backend>,
     metrics: Arc<ServerMetrics>,
     pending: HashMap<DialId, PendingDial>,
-    connections: HashMap<ConnectId, Connection>,
+    /// Each connection keeps its `established_connections` count.
+    connections: Connections<Event, Established>,
     /// Connections we sent CLOSE_REQ for and whose CLOSE_RSP has not come:
     /// DATA still in flight for them is dropped quietly instead of answered
     /// with another CLOSE_REQ.
@@ -67,7 +51,7 @@ pub async fn run<S>(
         backend: backend.clone(),
         metrics,
         pending: HashMap::new(),
-        connections: HashMap::new(),
+        connections: Connections::default(),
         closing: HashSet::new(),
     };
     let reason = loop {
@@ -107,12 +91,10 @@ impl Session {
             Command::Dial {
                 dial_id,
                 address,
-                events,
-                send_window,
-                receive_gate,
+                route,
             } => {
                 if self.pending.contains_key(&dial_id) {
-                    let _ = events.send(Event::Dialed(Err(format!(
+                    route.send(Event::Dialed(Err(format!(
                         "dial id {dial_id} is already pending on this agent"
                     ))));
                     return Ok(());
@@ -120,9 +102,7 @@ impl Session {
                 self.pending.insert(
                     dial_id,
                     PendingDial {
-                        events,
-                        send_window,
-                        receive_gate,
+                        route,
                         started: Instant::now(),
                         _gauge: GaugeGuard::new(&self.metrics.pending_backend_dials),
                     },
@@ -142,7 +122,7 @@ impl Session {
                 Ok(())
             }
             Command::Close { connect_id } => {
-                if self.connections.remove(&connect_id).is_some() {
+                if self.connections.remove(connect_id).is_some() {
                     self.close_on_agent(connect_id).await?;
                 }
                 Ok(())
@@ -170,16 +150,11 @@ impl Session {
             Frame::DialResponse { dial_id, result } => self.on_dial_response(dial_id, result).await?,
             Frame::CloseResponse { connect_id, error } => {
                 self.closing.remove(&connect_id);
-                if let Some(connection) = self.connections.remove(&connect_id) {
-                    let _ = connection.events.send(Event::Closed(error));
+                if let Some(connection) = self.connections.remove(connect_id) {
+                    connection.route.send(Event::Closed(error));
                 }
             }
-            Frame::WindowUpdate { connect_id, bytes } => {
-                // Unknown ids are connections that just ended; nothing to do.
-                if let Some(connection) = self.connections.get(&connect_id) {
-                    connection.send_window.grant(bytes);
-                }
-            }
+            Frame::WindowUpdate { connect_id, bytes } => self.connections.grant(connect_id, bytes),
             Frame::Drain => {
                 tracing::info!(agent_id = %self.backend.agent_id, "agent is draining");
                 self.backend.set_draining();
@@ -215,16 +190,10 @@ impl Session {
                 self.metrics
                     .dial_duration
                     .observe(pending.started.elapsed().as_secs_f64());
-                if pending.events.send(Event::Dialed(Ok(connect_id))).is_ok() {
-                    self.connections.insert(
-                        connect_id,
-                        Connection {
-                            events: pending.events,
-                            send_window: pending.send_window,
-                            receive_gate: pending.receive_gate,
-                            _established: self.metrics.established(),
-                        },
-                    );
+                if pending.route.send(Event::Dialed(Ok(connect_id))) {
+                    // An agent reusing a connect id ends the connection it displaces.
+                    let established = self.metrics.established();
+                    self.connections.insert(connect_id, pending.route, established);
                 } else {
                     self.metrics.dial_failed(DialFailure::SendResponse);
                     self.close_on_agent(connect_id).await?;
@@ -232,7 +201,7 @@ impl Session {
             }
             Err(error) => {
                 self.metrics.dial_failed(DialFailure::ErrorResponse);
-                let _ = pending.events.send(Event::Dialed(Err(error)));
+                pending.route.send(Event::Dialed(Err(error)));
             }
         }
         Ok(())
@@ -240,38 +209,27 @@ impl Session {
 
     /// Hands DATA to its connection's frontend. With flow control this never
     /// waits; with an upstream agent it waits for a full connection's
-    /// frontend, as upstream's server does.
+    /// frontend, as upstream's server does, shown by `full_receive_channels`.
     async fn on_data(&mut self, connect_id: ConnectId, data: bytes::Bytes) -> Result<(), BackendGone> {
-        let Some(connection) = self.connections.get(&connect_id) else {
-            if !self.closing.contains(&connect_id) {
-                self.close_on_agent(connect_id).await?;
-            }
-            return Ok(());
-        };
-        let admitted = match connection.receive_gate.admit(data.len()).now_or_never() {
-            Some(admitted) => admitted,
-            None => {
-                // An agent without flow control: the whole stream waits for
-                // this connection's frontend, as upstream's does.
-                let _blocked = GaugeGuard::new(&self.metrics.full_receive_channels("Connect"));
-                connection.receive_gate.admit(data.len()).await
-            }
-        };
-        let failure = match admitted {
-            Ok(()) if connection.events.send(Event::Data(data)).is_ok() => return Ok(()),
-            Ok(()) | Err(Refused::Closed) => None,
-            Err(overrun @ Refused::Overrun) => {
-                tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, error = %overrun, "closing connection");
+        let metrics = &self.metrics;
+        let blocked = || GaugeGuard::new(&metrics.full_receive_channels("Connect"));
+        let failure = match self.connections.deliver(connect_id, data, blocked).await {
+            Delivery::Delivered => return Ok(()),
+            Delivery::Unknown if self.closing.contains(&connect_id) => return Ok(()),
+            Delivery::Unknown => return self.close_on_agent(connect_id).await,
+            Delivery::ConsumerGone => self.connections.remove(connect_id).map(|entry| (entry, None)),
+            Delivery::Overrun { entry, error } => {
+                tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, %error, "closing connection");
                 self.metrics.stream_errors.count(
                     Segment::FromAgent,
                     tonic::Code::ResourceExhausted,
                     Some(PacketType::Data),
                 );
-                Some(overrun.to_string())
+                Some((entry, Some(error.to_string())))
             }
         };
-        if let Some(connection) = self.connections.remove(&connect_id) {
-            let _ = connection.events.send(Event::Closed(failure));
+        if let Some((entry, error)) = failure {
+            entry.route.send(Event::Closed(error));
         }
         self.close_on_agent(connect_id).await
     }
@@ -291,7 +249,6 @@ mod tests {
     use super::*;
     use crate::backend::BackendId;
     use crate::backend::strategy::Strategy;
-    use konnectivity_proto::flow::{self, SendWindow};
     use tokio_stream::wrappers::ReceiverStream;
 
     fn gauge(metrics: &ServerMetrics) -> i64 {
@@ -326,16 +283,13 @@ mod tests {
             metrics.clone(),
         ));
 
-        let (events, mut frontend) = mpsc::unbounded_channel();
-        let (receive_gate, credit) = flow::receive_window(false);
+        let (route, mut frontend) = konnectivity_mux::connection(false);
         let dial_id = DialId::new(7);
         backend
             .command(Command::Dial {
                 dial_id,
                 address: "10.0.0.1:80".to_owned(),
-                events,
-                send_window: SendWindow::new(false),
-                receive_gate,
+                route,
             })
             .await
             .unwrap();
@@ -367,7 +321,7 @@ mod tests {
         assert_eq!(gauge(&metrics), 1, "the blocked stream is not shown");
 
         // The frontend goes away: the wait ends and so does the gauge.
-        drop((frontend, credit));
+        drop(frontend);
         for _ in 0..100 {
             if gauge(&metrics) == 0 {
                 break;

@@ -7,6 +7,7 @@
 //! sends after the head is lost or buffered away from the tunnel.
 
 use std::time::{Duration, Instant};
+use tracing::Instrument;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
@@ -199,7 +200,10 @@ pub async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
     if stream.write_all(ESTABLISHED).await.is_err() {
         return;
     }
-    pump(stream, connection, request.early_data, &dialer.metrics).await;
+    let tunnel = connection.span();
+    pump(stream, connection, request.early_data, &dialer.metrics)
+        .instrument(tunnel)
+        .await;
 }
 
 /// What an idle connection waits with: a small buffer inside its task, so

@@ -8,6 +8,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
+use tracing::Instrument;
 
 use futures_util::{Stream, StreamExt};
 use konnectivity_plumbing::metrics::GaugeGuard;
@@ -192,7 +193,8 @@ impl ClientStream {
         let Some(connection) = self.dial(dialer, &address, dial_id).await else {
             return;
         };
-        self.relay(connection, &dialer.metrics).await;
+        let tunnel = connection.span();
+        self.relay(connection, &dialer.metrics).instrument(tunnel).await;
     }
 
     /// Dials while watching the client: DIAL_CLS or the stream ending cancels

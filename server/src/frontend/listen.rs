@@ -5,6 +5,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
+use konnectivity_plumbing::lifecycle::Watcher;
 use tokio::net::{TcpListener, UnixListener};
 use tokio_rustls::TlsAcceptor;
 
@@ -35,17 +36,22 @@ pub fn bind_uds(path: &Path, delete_existing: bool) -> Result<UnixListener, Serv
     Ok(listener)
 }
 
-/// Accepts on a Unix socket forever, serving each connection with `serve`.
-pub async fn accept_uds<F, Fut>(listener: UnixListener, serve: F)
+/// Accepts on a Unix socket until the drain is signalled, serving each
+/// connection with `serve`. Each connection holds a clone of `watcher` for as
+/// long as it is served, so the drain waits for its tunnel; the listening
+/// socket closes when this returns.
+pub async fn accept_uds<F, Fut>(listener: UnixListener, watcher: Watcher, serve: F)
 where
     F: Fn(tokio::net::UnixStream) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     loop {
-        match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(serve(stream));
-            }
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = watcher.signaled() => return,
+        };
+        match accepted {
+            Ok((stream, _)) => spawn_watched(serve(stream), &watcher),
             Err(error) => {
                 tracing::warn!(%error, "frontend accept failed");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -54,15 +60,30 @@ where
     }
 }
 
-/// Accepts TLS connections forever (handshakes run concurrently), serving
-/// each with `serve`.
-pub async fn accept_tls<F, Fut>(listener: TcpListener, tls: Arc<rustls::ServerConfig>, serve: F)
-where
+/// Accepts TLS connections (handshakes run concurrently) until the drain is
+/// signalled, serving each with `serve` as [`accept_uds`] does.
+pub async fn accept_tls<F, Fut>(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    watcher: Watcher,
+    serve: F,
+) where
     F: Fn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let mut accepted = konnectivity_plumbing::tls::accept_tls(listener, TlsAcceptor::from(tls), "frontend");
+    let stop = Some(watcher.clone());
+    let mut accepted =
+        konnectivity_plumbing::tls::accept_tls(listener, TlsAcceptor::from(tls), "frontend", stop);
     while let Some(stream) = accepted.recv().await {
-        tokio::spawn(serve(stream));
+        spawn_watched(serve(stream), &watcher);
     }
+}
+
+/// Serves a connection on its own task, holding the drain until it ends.
+fn spawn_watched(serving: impl std::future::Future<Output = ()> + Send + 'static, watcher: &Watcher) {
+    let watcher = watcher.clone();
+    tokio::spawn(async move {
+        serving.await;
+        drop(watcher);
+    });
 }
