@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
-use konnectivity_proto::{ConnectId, DATA_CHUNK, Frame, Packet};
+use konnectivity_proto::{ConnectId, DATA_CHUNK, DialTarget, Frame, Packet, TargetError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -23,25 +23,24 @@ use konnectivity_plumbing::metrics::TunnelBytes;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DialError(pub String);
 
-/// Dials `address` (`host:port`) within `timeout`.
+/// Dials `address` within `timeout`.
 pub async fn dial(
-    address: &str,
+    address: &DialTarget,
     timeout: Duration,
     mark: Option<u32>,
     metrics: &AgentMetrics,
 ) -> Result<TcpStream, DialError> {
     let started = Instant::now();
     let connect = async {
-        let (host, port) = address
-            .rsplit_once(':')
-            .ok_or_else(|| format!("dial tcp {address}: address {address}: missing port in address"))?;
-        let port: u16 = port
-            .parse()
-            .map_err(|_| format!("dial tcp: address {address}: invalid port"))?;
-        let host = host.trim_start_matches('[').trim_end_matches(']');
-        konnectivity_client::net::connect(host, port, mark)
+        let port = address.port().map_err(|error| match error {
+            TargetError::MissingPort => {
+                format!("dial tcp {address}: address {address}: missing port in address")
+            }
+            _ => format!("dial tcp: address {address}: invalid port"),
+        })?;
+        konnectivity_client::net::connect(address.host(), port, mark)
             .await
-            .map_err(|error| go_dial_error(address, &error))
+            .map_err(|error| go_dial_error(address.as_str(), &error))
     };
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(stream)) => {
@@ -194,7 +193,7 @@ mod tests {
         let address = listener.local_addr().unwrap().to_string();
         drop(listener);
         let metrics = AgentMetrics::default();
-        let error = dial(&address, Duration::from_secs(5), None, &metrics)
+        let error = dial(&address.as_str().into(), Duration::from_secs(5), None, &metrics)
             .await
             .unwrap_err();
         assert_eq!(

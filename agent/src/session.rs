@@ -10,7 +10,7 @@ use konnectivity_mux::{Connections, Delivery};
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::limit::{Limit, Slot};
 use konnectivity_plumbing::metrics::GaugeGuard;
-use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
+use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
@@ -369,10 +369,10 @@ impl Session {
     async fn on_dial_request(
         &mut self,
         protocol: String,
-        address: String,
+        address: DialTarget,
         dial_id: DialId,
     ) -> Result<(), StreamGone> {
-        let tunnel = tunnel_span(dial_id, &address);
+        let tunnel = tunnel_span(dial_id, address.as_str());
         tunnel.in_scope(|| tracing::debug!("dial requested"));
         if protocol != "tcp" {
             ended_before_established(&self.metrics, &tunnel, TunnelEnd::DialFailed);

@@ -144,7 +144,7 @@ impl Tunnel {
         let (outbound, outbound_rx) = mpsc::channel::<Packet>(OUTBOUND_QUEUE);
         let request = Frame::DialRequest {
             protocol: "tcp".to_owned(),
-            address: address.to_owned(),
+            address: address.into(),
             dial_id,
         };
         outbound.try_send(request.into()).expect("a fresh queue has room");

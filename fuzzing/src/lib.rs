@@ -43,7 +43,11 @@ pub fn connect_head(data: &[u8]) {
                 &data[head_len..],
                 "bytes after the head were lost"
             );
-            let (host, port) = request.target.rsplit_once(':').expect("target has a port");
+            let (host, port) = request
+                .target
+                .as_str()
+                .rsplit_once(':')
+                .expect("target has a port");
             assert!(!host.is_empty());
             assert!(port.parse::<u16>().is_ok_and(|p| p != 0));
             let (again, again_len) = parse_head(&data[..head_len]).unwrap().unwrap();

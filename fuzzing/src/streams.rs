@@ -61,23 +61,18 @@ struct ServerSide {
 fn server_side(flow_control: bool) -> ServerSide {
     use konnectivity_server::backend::registry::Registry;
     use konnectivity_server::backend::strategy::Strategy;
-    use konnectivity_server::backend::{Backend, BackendId, session};
+    use konnectivity_server::backend::{Announced, Backend, BackendId, session};
     use konnectivity_server::metrics::ServerMetrics;
 
     let metrics = Arc::new(ServerMetrics::default());
     let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
-    let (outbound, to_agent) = mpsc::channel(64);
-    let (commands_tx, commands) = mpsc::channel(16);
-    let backend = Arc::new(Backend::new(
-        BackendId(1),
-        "fuzzed-agent".to_owned(),
-        Default::default(),
-        false,
+    let announced = Announced {
+        agent_id: "fuzzed-agent".to_owned(),
         flow_control,
-        outbound,
-        commands_tx,
-        metrics.clone(),
-    ));
+        ..Announced::default()
+    };
+    let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
+    let (to_agent, commands) = (queues.to_agent, queues.commands);
     registry.add(backend.clone());
     let (from_agent, inbound) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
     let session = tokio::spawn(session::run(
@@ -126,7 +121,7 @@ pub fn server_stream(data: &[u8]) {
             backend
                 .command(Command::Dial {
                     dial_id: DialId::new(id),
-                    address: "192.0.2.1:443".to_owned(),
+                    address: "192.0.2.1:443".into(),
                     route,
                 })
                 .await

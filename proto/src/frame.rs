@@ -8,6 +8,7 @@
 use bytes::Bytes;
 
 use crate::ids::{ConnectId, DialId};
+use crate::target::DialTarget;
 use crate::wire::{self, packet::Payload};
 use crate::{Packet, PacketType};
 
@@ -16,7 +17,7 @@ use crate::{Packet, PacketType};
 pub enum Frame {
     DialRequest {
         protocol: String,
-        address: String,
+        address: DialTarget,
         dial_id: DialId,
     },
     /// `Ok` carries the new connection's id, `Err` the agent's error text.
@@ -81,7 +82,7 @@ impl TryFrom<Packet> for Frame {
         let frame = match (kind, packet.payload) {
             (PacketType::DialReq, Some(Payload::DialRequest(r))) => Frame::DialRequest {
                 protocol: r.protocol,
-                address: r.address,
+                address: r.address.into(),
                 dial_id: DialId::new(r.random),
             },
             (PacketType::DialRsp, Some(Payload::DialResponse(r))) => Frame::DialResponse {
@@ -131,7 +132,7 @@ impl From<Frame> for Packet {
                 PacketType::DialReq,
                 Payload::DialRequest(wire::DialRequest {
                     protocol,
-                    address,
+                    address: address.into(),
                     random: dial_id.get(),
                 }),
             ),

@@ -82,12 +82,12 @@ impl AgentIdentifiers {
         *self == AgentIdentifiers::default()
     }
 
-    /// Whether a dial host (an IP, a bracketed IPv6 or a name) names this agent.
+    /// Whether a dial's host ([`crate::DialTarget::host`]: an IP, IPv6
+    /// without brackets, or a name) names this agent.
     pub fn matches_host(&self, host: &str) -> bool {
-        let bare = host.trim_start_matches('[').trim_end_matches(']');
-        self.ipv4.iter().any(|ip| ip == bare)
-            || self.ipv6.iter().any(|ip| ip == bare)
-            || self.hosts.iter().any(|h| h == bare)
+        self.ipv4.iter().any(|ip| ip == host)
+            || self.ipv6.iter().any(|ip| ip == host)
+            || self.hosts.iter().any(|h| h == host)
     }
 }
 
@@ -210,7 +210,7 @@ mod tests {
     #[test]
     fn host_matching_handles_ipv6_brackets() {
         let ids = AgentIdentifiers::parse("ipv6=fd00%3A%3A5&host=node-1").unwrap();
-        assert!(ids.matches_host("[fd00::5]"));
+        assert!(ids.matches_host(crate::DialTarget::new("[fd00::5]:443").host()));
         assert!(ids.matches_host("node-1"));
         assert!(!ids.matches_host("10.0.0.5"));
     }

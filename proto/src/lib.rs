@@ -10,10 +10,12 @@ pub mod codec;
 mod frame;
 mod identifiers;
 mod ids;
+mod target;
 
 pub use frame::{Frame, PacketError};
 pub use identifiers::{AgentIdentifiers, IdentifiersError};
 pub use ids::{ConnectId, DialId};
+pub use target::{DialTarget, TargetError};
 
 /// Generated prost messages and tonic services (client and server halves).
 pub mod wire {

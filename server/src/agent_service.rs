@@ -13,22 +13,15 @@ use konnectivity_plumbing::tls::certificate_names;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_server::AgentService;
 use konnectivity_proto::{AgentIdentifiers, Packet};
-use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::backend::registry::Registry;
-use crate::backend::{Backend, BackendId, session};
+use crate::backend::{Announced, Backend, BackendId, session};
 use crate::metrics::ServerMetrics;
 use crate::token_auth::TokenAuthenticator;
-
-/// Packets queued towards one agent; bounds memory per agent stream
-/// (at most this many DATA packets of up to 64 KiB each).
-const OUTBOUND_QUEUE: usize = 256;
-/// Commands queued to one session task.
-const COMMAND_QUEUE: usize = 1024;
 
 pub struct AgentServer {
     registry: Arc<Registry>,
@@ -147,18 +140,14 @@ impl AgentService for AgentServer {
                 flow_control,
             ));
         }
-        let (outbound_tx, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let (commands_tx, commands_rx) = mpsc::channel(COMMAND_QUEUE);
-        let backend = Arc::new(Backend::new(
-            BackendId(self.next_backend.fetch_add(1, Ordering::Relaxed)),
+        let announced = Announced {
             agent_id,
             identifiers,
             control_plane,
             flow_control,
-            outbound_tx,
-            commands_tx,
-            self.metrics.clone(),
-        ));
+        };
+        let id = BackendId(self.next_backend.fetch_add(1, Ordering::Relaxed));
+        let (backend, queues) = Backend::open(id, announced, self.metrics.clone());
         tracing::info!(
             agent_id = %backend.agent_id,
             identifiers = %backend.identifiers,
@@ -173,12 +162,12 @@ impl AgentService for AgentServer {
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
             let _open = open;
-            session::run(backend, request.into_inner(), commands_rx, registry, metrics).await;
+            session::run(backend, request.into_inner(), queues.commands, registry, metrics).await;
         });
 
         // Returning the response sends its headers at once: upstream agents
         // wait for `serverid` before anything else, with no timeout.
-        let packets = ReceiverStream::new(outbound_rx).map(Ok);
+        let packets = ReceiverStream::new(queues.to_agent).map(Ok);
         Ok(self.with_headers(
             Response::new(Box::pin(packets) as Self::ConnectStream),
             flow_control,

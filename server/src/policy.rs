@@ -6,6 +6,7 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
 use ipnet::IpNet;
+use konnectivity_proto::DialTarget;
 
 /// Who is dialing, which decides the backends and destinations allowed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,10 +94,13 @@ pub enum PolicyError {
 }
 
 /// Checks a node client's dial address against the allow-list.
-pub fn check_node_destination(allowed: &[AllowedDestination], address: &str) -> Result<(), PolicyError> {
-    let addr: SocketAddr = address
-        .parse()
-        .map_err(|_| PolicyError::NotAnAddress(address.to_owned()))?;
+pub fn check_node_destination(
+    allowed: &[AllowedDestination],
+    address: &DialTarget,
+) -> Result<(), PolicyError> {
+    let addr = address
+        .socket_addr()
+        .ok_or_else(|| PolicyError::NotAnAddress(address.to_string()))?;
     if allowed.iter().any(|entry| entry.admits(addr)) {
         Ok(())
     } else {
@@ -138,19 +142,28 @@ mod tests {
     #[test]
     fn admits_only_listed_address_and_port() {
         let allowed = parse_allowed("10.222.1.10:6443,10.0.0.0/24:443,[fd00::/64]:443").unwrap();
-        assert_eq!(check_node_destination(&allowed, "10.222.1.10:6443"), Ok(()));
-        assert_eq!(check_node_destination(&allowed, "10.0.0.77:443"), Ok(()));
-        assert_eq!(check_node_destination(&allowed, "[fd00::9]:443"), Ok(()));
+        assert_eq!(
+            check_node_destination(&allowed, &DialTarget::from("10.222.1.10:6443")),
+            Ok(())
+        );
+        assert_eq!(
+            check_node_destination(&allowed, &DialTarget::from("10.0.0.77:443")),
+            Ok(())
+        );
+        assert_eq!(
+            check_node_destination(&allowed, &DialTarget::from("[fd00::9]:443")),
+            Ok(())
+        );
         assert!(matches!(
-            check_node_destination(&allowed, "10.222.1.10:22"),
+            check_node_destination(&allowed, &DialTarget::from("10.222.1.10:22")),
             Err(PolicyError::NotAllowed(_))
         ));
         assert!(matches!(
-            check_node_destination(&allowed, "10.0.1.1:443"),
+            check_node_destination(&allowed, &DialTarget::from("10.0.1.1:443")),
             Err(PolicyError::NotAllowed(_))
         ));
         assert!(matches!(
-            check_node_destination(&allowed, "kubernetes.default:443"),
+            check_node_destination(&allowed, &DialTarget::from("kubernetes.default:443")),
             Err(PolicyError::NotAnAddress(_))
         ));
     }

@@ -10,7 +10,7 @@ use tracing::Instrument;
 use bytes::Bytes;
 use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
-use konnectivity_proto::{ConnectId, DialId, Frame};
+use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame};
 
 use crate::backend::registry::Registry;
 use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
@@ -206,16 +206,16 @@ pub struct Dialer {
 }
 
 impl Dialer {
-    /// Dials `address` (`host:port`) with a dial id of the caller's choosing
-    /// (gRPC clients pick their own; HTTP CONNECT uses a random one).
-    pub async fn dial(&self, address: &str, dial_id: DialId) -> Result<TunnelConn, DialError> {
+    /// Dials `address` with a dial id of the caller's choosing (gRPC clients
+    /// pick their own; HTTP CONNECT uses a random one).
+    pub async fn dial(&self, address: &DialTarget, dial_id: DialId) -> Result<TunnelConn, DialError> {
         // One span per tunnel, from the dial to its end, on this side and
         // on the agent's: every -v=2 line of the tunnel carries its ids, so
         // the two processes' lines of one tunnel can be matched.
         let span = tracing::debug_span!(
             "tunnel",
             %dial_id,
-            destination = address,
+            destination = address.as_str(),
             agent_id = tracing::field::Empty,
             connect_id = tracing::field::Empty,
         );
@@ -238,7 +238,7 @@ impl Dialer {
 
     async fn dial_agent(
         &self,
-        address: &str,
+        address: &DialTarget,
         dial_id: DialId,
         span: &tracing::Span,
     ) -> Result<TunnelConn, DialError> {
@@ -260,8 +260,7 @@ impl Dialer {
             Some(Ok(slot)) => Some(slot),
             None => None,
         };
-        let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
-        let Some(backend) = self.registry.select(host, self.class) else {
+        let Some(backend) = self.registry.select(address.host(), self.class) else {
             self.metrics.dial_failed(DialFailure::NoAgent);
             return Err(DialError::NoBackend);
         };
@@ -270,7 +269,7 @@ impl Dialer {
         backend
             .command(Command::Dial {
                 dial_id,
-                address: address.to_owned(),
+                address: address.clone(),
                 route,
             })
             .await

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use konnectivity_mux::Route;
-use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, Frame, Packet};
+use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, DialTarget, Frame, Packet};
 use tokio::sync::mpsc;
 
 use crate::metrics::{Segment, ServerMetrics};
@@ -51,7 +51,7 @@ pub enum Command {
     /// `route`, which becomes the connection's once the dial succeeds.
     Dial {
         dial_id: DialId,
-        address: String,
+        address: DialTarget,
         route: Route<Event>,
     },
     /// The frontend gave up on a dial it started (DIAL_CLS to the agent).
@@ -78,34 +78,61 @@ impl From<Bytes> for Event {
 /// The error text frontends see when an agent stream goes away.
 pub const AGENT_DISCONNECTED: &str = "agent disconnected";
 
+/// Packets queued towards one agent; bounds memory per agent stream (at
+/// most this many packets, DATA of up to [`konnectivity_proto::DATA_CHUNK`]).
+const OUTBOUND_QUEUE: usize = 256;
+/// Commands queued to one session task.
+const COMMAND_QUEUE: usize = 1024;
+
+/// What an agent announced when its stream opened.
+#[derive(Debug, Clone, Default)]
+pub struct Announced {
+    pub agent_id: String,
+    pub identifiers: AgentIdentifiers,
+    /// Listed in `--control-plane-agent-ids` (and proven by its certificate).
+    pub control_plane: bool,
+    /// It negotiated per-connection flow control.
+    pub flow_control: bool,
+}
+
+/// The receiving ends of a backend's two queues.
+#[derive(Debug)]
+pub struct Queues {
+    /// Packets for the agent: the gRPC response stream drains it.
+    pub to_agent: mpsc::Receiver<Packet>,
+    /// The frontends' commands: the stream's [`session`] serves them.
+    pub commands: mpsc::Receiver<Command>,
+}
+
 /// The agent's outbound queue is gone: its stream has ended.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
 #[error("{AGENT_DISCONNECTED}")]
 pub struct BackendGone;
 
 impl Backend {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        id: BackendId,
-        agent_id: String,
-        identifiers: AgentIdentifiers,
-        control_plane: bool,
-        flow_control: bool,
-        outbound: mpsc::Sender<Packet>,
-        commands: mpsc::Sender<Command>,
-        metrics: Arc<ServerMetrics>,
-    ) -> Self {
-        Backend {
+    /// A backend for a stream that has just opened, and the ends of its
+    /// queues for the response stream and the session to drain.
+    pub fn open(id: BackendId, announced: Announced, metrics: Arc<ServerMetrics>) -> (Arc<Backend>, Queues) {
+        let (outbound, to_agent) = mpsc::channel(OUTBOUND_QUEUE);
+        let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
+        let Announced {
+            agent_id,
+            identifiers,
+            control_plane,
+            flow_control,
+        } = announced;
+        let backend = Backend {
             id,
             agent_id,
             identifiers,
             control_plane,
             flow_control,
             outbound,
-            commands,
+            commands: commands_tx,
             draining: AtomicBool::new(false),
             metrics,
-        }
+        };
+        (Arc::new(backend), Queues { to_agent, commands })
     }
 
     pub fn is_draining(&self) -> bool {

@@ -247,8 +247,8 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::BackendId;
     use crate::backend::strategy::Strategy;
+    use crate::backend::{Announced, BackendId, Queues};
     use tokio_stream::wrappers::ReceiverStream;
 
     fn gauge(metrics: &ServerMetrics) -> i64 {
@@ -262,18 +262,15 @@ mod tests {
     async fn a_full_connection_of_an_upstream_agent_shows_in_full_receive_channels() {
         let metrics = Arc::new(ServerMetrics::default());
         let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
-        let (outbound, mut to_agent) = mpsc::channel(64);
-        let (commands_tx, commands) = mpsc::channel(8);
-        let backend = Arc::new(Backend::new(
-            BackendId(1),
-            "upstream-agent".to_owned(),
-            Default::default(),
-            false,
-            false,
-            outbound,
-            commands_tx,
-            metrics.clone(),
-        ));
+        let announced = Announced {
+            agent_id: "upstream-agent".to_owned(),
+            ..Announced::default()
+        };
+        let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
+        let Queues {
+            mut to_agent,
+            commands,
+        } = queues;
         let (from_agent, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(64);
         let session = tokio::spawn(run(
             backend.clone(),
@@ -288,7 +285,7 @@ mod tests {
         backend
             .command(Command::Dial {
                 dial_id,
-                address: "10.0.0.1:80".to_owned(),
+                address: "10.0.0.1:80".into(),
                 route,
             })
             .await

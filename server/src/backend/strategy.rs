@@ -110,9 +110,8 @@ pub fn select(strategies: &[Strategy], backends: &[Arc<Backend>], host: &str) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::BackendId;
+    use crate::backend::{Announced, BackendId};
     use konnectivity_proto::AgentIdentifiers;
-    use tokio::sync::mpsc;
 
     fn backend(id: u64, identifiers: &str) -> Arc<Backend> {
         stream_of(&format!("agent-{id}"), id, identifiers)
@@ -120,18 +119,13 @@ mod tests {
 
     /// Stream `id` of the agent `agent_id`.
     fn stream_of(agent_id: &str, id: u64, identifiers: &str) -> Arc<Backend> {
-        let (outbound, _) = mpsc::channel(1);
-        let (commands, _) = mpsc::channel(1);
-        Arc::new(Backend::new(
-            BackendId(id),
-            agent_id.to_owned(),
-            AgentIdentifiers::parse(identifiers).unwrap(),
-            false,
-            false,
-            outbound,
-            commands,
-            Arc::new(crate::metrics::ServerMetrics::default()),
-        ))
+        let announced = Announced {
+            agent_id: agent_id.to_owned(),
+            identifiers: AgentIdentifiers::parse(identifiers).unwrap(),
+            ..Announced::default()
+        };
+        let metrics = Arc::new(crate::metrics::ServerMetrics::default());
+        Backend::open(BackendId(id), announced, metrics).0
     }
 
     #[test]

@@ -12,7 +12,7 @@ use tracing::Instrument;
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
 use konnectivity_plumbing::metrics::GaugeGuard;
-use konnectivity_proto::{DATA_CHUNK, DialId};
+use konnectivity_proto::{DATA_CHUNK, DialId, DialTarget};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 
 use super::stream::FrontendStream;
@@ -60,7 +60,7 @@ impl RequestError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnectRequest {
     /// `host:port` to dial.
-    pub target: String,
+    pub target: DialTarget,
     /// Bytes the client sent after the head; they belong to the tunnel.
     pub early_data: Bytes,
 }
@@ -86,26 +86,15 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(ConnectRequest, usize)>, Request
     if method != "CONNECT" {
         return Err(RequestError::NotConnect(method.to_owned()));
     }
-    let target = request.path.unwrap_or_default();
-    validate_target(target)?;
+    let text = request.path.unwrap_or_default();
+    let target = DialTarget::parse_strict(text).map_err(|_| RequestError::BadTarget(text.to_owned()))?;
     Ok(Some((
         ConnectRequest {
-            target: target.to_owned(),
+            target,
             early_data: Bytes::copy_from_slice(&buf[head_len..]),
         },
         head_len,
     )))
-}
-
-/// `host:port` with a numeric port and a non-empty host (IPv6 in brackets).
-fn validate_target(target: &str) -> Result<(), RequestError> {
-    let bad = || RequestError::BadTarget(target.to_owned());
-    let (host, port) = target.rsplit_once(':').ok_or_else(bad)?;
-    let port_ok = port.parse::<u16>().is_ok_and(|p| p != 0);
-    let host_ok = !host.is_empty()
-        && (!host.contains(':') || (host.starts_with('[') && host.ends_with(']')))
-        && !host.contains(['/', ' ', '@']);
-    if port_ok && host_ok { Ok(()) } else { Err(bad()) }
 }
 
 /// Reads the request head, bounded in size and time.
@@ -349,7 +338,7 @@ mod tests {
         let (request, len) = parse("CONNECT 10.0.0.5:10250 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             .unwrap()
             .unwrap();
-        assert_eq!(request.target, "10.0.0.5:10250");
+        assert_eq!(request.target.as_str(), "10.0.0.5:10250");
         assert!(request.early_data.is_empty());
         assert_eq!(len, 52);
     }

@@ -13,7 +13,7 @@ use tracing::Instrument;
 use futures_util::{Stream, StreamExt};
 use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::wire::proxy_service_server::ProxyService;
-use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
+use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -200,7 +200,7 @@ impl ClientStream {
     /// Dials while watching the client: DIAL_CLS or the stream ending cancels
     /// the dial (dropping the dial future sends DIAL_CLS to the agent, which
     /// closes the connection if it was already made).
-    async fn dial(&mut self, dialer: &Dialer, address: &str, dial_id: DialId) -> Option<TunnelConn> {
+    async fn dial(&mut self, dialer: &Dialer, address: &DialTarget, dial_id: DialId) -> Option<TunnelConn> {
         let dial = dialer.dial(address, dial_id);
         tokio::pin!(dial);
         let result = loop {

@@ -81,9 +81,10 @@ pub async fn accept_tls<F, Fut>(
 
 /// Serves a connection on its own task, holding the drain until it ends.
 fn spawn_watched(serving: impl std::future::Future<Output = ()> + Send + 'static, watcher: &Watcher) {
+    use futures_util::FutureExt;
     let watcher = watcher.clone();
-    tokio::spawn(async move {
-        serving.await;
-        drop(watcher);
-    });
+    // `map`, not an async block awaiting `serving`: such a block keeps the
+    // future twice in its state, and idle CONNECT tunnels grew from 12 to
+    // 19 KiB each in hack/bench.sh.
+    tokio::spawn(serving.map(move |()| drop(watcher)));
 }
