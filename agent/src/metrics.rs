@@ -3,7 +3,7 @@
 
 pub use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::{
-    GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, binary_registry, register,
+    GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, TunnelsEnded, binary_registry, register,
 };
 use konnectivity_proto::PacketType;
 use prometheus_client::metrics::family::Family;
@@ -59,7 +59,8 @@ pub struct AgentMetrics {
     captured: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
     server_failures: Family<Labels, GoCounter>,
-    tunnels_ended: Family<Labels, GoCounter>,
+    /// `tunnels_ended_total{reason}`.
+    pub tunnels_ended: TunnelsEnded,
     packets: PacketCounters,
     pub stream_errors: StreamErrors,
 }
@@ -78,7 +79,7 @@ impl Default for AgentMetrics {
             captured: Family::default(),
             dial_failures: Family::default(),
             server_failures: Family::default(),
-            tunnels_ended: Family::default(),
+            tunnels_ended: TunnelsEnded::default(),
             packets: PacketCounters::default(),
             stream_errors: StreamErrors::default(),
         };
@@ -123,12 +124,7 @@ impl Default for AgentMetrics {
             metrics.packets = PacketCounters::register(registry, Segment::AGENT);
             metrics.stream_errors = StreamErrors::register(registry);
             // Ours.
-            register(
-                registry,
-                "tunnels_ended_total",
-                konnectivity_plumbing::metrics::TUNNELS_ENDED_HELP,
-                metrics.tunnels_ended.clone(),
-            );
+            metrics.tunnels_ended = TunnelsEnded::register(registry);
             register(
                 registry,
                 "captured_connections_open",
@@ -181,12 +177,6 @@ impl AgentMetrics {
         };
         self.server_failures
             .get_or_create(&vec![("direction", direction)])
-            .inc();
-    }
-
-    pub fn tunnel_ended(&self, reason: crate::session::TunnelEnd) {
-        self.tunnels_ended
-            .get_or_create(&vec![("reason", reason.label())])
             .inc();
     }
 

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use konnectivity_mux::{Connections, Delivery};
@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use crate::endpoint::{self, DialError, EndpointClosed};
 use crate::metrics::{AgentMetrics, Segment, ServerDirection};
-use konnectivity_plumbing::metrics::TunnelBytes;
+use konnectivity_plumbing::metrics::{EndReason, TunnelBytes, TunnelRecord};
 
 /// Why a tunnel ended on this agent, and so who ended it: counted by
 /// `tunnels_ended_total{reason}` and logged at -v=2. Every DIAL_REQ ends
@@ -44,8 +44,8 @@ pub enum TunnelEnd {
     ServerGone,
 }
 
-impl TunnelEnd {
-    pub fn label(self) -> &'static str {
+impl EndReason for TunnelEnd {
+    fn label(self) -> &'static str {
         match self {
             TunnelEnd::DialFailed => "dial_failed",
             TunnelEnd::Limit => "limit",
@@ -57,38 +57,6 @@ impl TunnelEnd {
             TunnelEnd::ServerGone => "server_gone",
         }
     }
-}
-
-/// An established tunnel from dial to end, for its closing log line and
-/// `tunnels_ended_total`; `end` is set by whoever removes it from the
-/// table, and stays `ServerGone` when the session drops it.
-struct TunnelLife {
-    /// The tunnel's span: its ids for the closing line.
-    span: tracing::Span,
-    started: Instant,
-    bytes: Arc<TunnelBytes>,
-    metrics: Arc<AgentMetrics>,
-    end: TunnelEnd,
-}
-
-impl Drop for TunnelLife {
-    fn drop(&mut self) {
-        self.metrics.tunnel_ended(self.end);
-        let _tunnel = self.span.enter();
-        tracing::debug!(
-            reason = self.end.label(),
-            bytes_to_target = self.bytes.to_target(),
-            bytes_from_target = self.bytes.from_target(),
-            duration = ?self.started.elapsed(),
-            "tunnel closed"
-        );
-    }
-}
-
-/// A tunnel that ended before it was established.
-fn ended_before_established(metrics: &AgentMetrics, tunnel: &tracing::Span, reason: TunnelEnd) {
-    metrics.tunnel_ended(reason);
-    tunnel.in_scope(|| tracing::debug!(reason = reason.label(), "tunnel ended before it was established"));
 }
 
 /// One span per tunnel, from DIAL_REQ to its end, as on the server: every
@@ -123,7 +91,9 @@ pub struct SessionSettings {
 /// What the session keeps with each endpoint connection in its table.
 struct Endpoint {
     reader: AbortHandle,
-    life: TunnelLife,
+    /// Counts and logs the tunnel's end; it stays `ServerGone` when the
+    /// session drops the table.
+    life: TunnelRecord<TunnelEnd>,
     _gauge: GaugeGuard,
     _slot: Option<Slot>,
 }
@@ -274,7 +244,10 @@ where
     };
     for (_, dial) in session.dials.drain() {
         dial.task.abort();
-        ended_before_established(&session.metrics, &dial.span, TunnelEnd::ServerGone);
+        session
+            .metrics
+            .tunnels_ended
+            .before_established(&dial.span, TunnelEnd::ServerGone, None);
     }
     reason
 }
@@ -318,7 +291,9 @@ impl Session {
             Frame::CloseDial { dial_id } => {
                 if let Some(dial) = self.dials.remove(&dial_id) {
                     dial.task.abort();
-                    ended_before_established(&self.metrics, &dial.span, TunnelEnd::DialCancelled);
+                    self.metrics
+                        .tunnels_ended
+                        .before_established(&dial.span, TunnelEnd::DialCancelled, None);
                 }
             }
             unexpected => {
@@ -355,7 +330,7 @@ impl Session {
                     tonic::Code::ResourceExhausted,
                     Some(konnectivity_proto::PacketType::Data),
                 );
-                entry.state.life.end = TunnelEnd::ProtocolError;
+                entry.state.life.set_end(TunnelEnd::ProtocolError);
                 drop(entry);
                 self.send(Frame::CloseResponse {
                     connect_id,
@@ -374,25 +349,20 @@ impl Session {
     ) -> Result<(), StreamGone> {
         let tunnel = tunnel_span(dial_id, address.as_str());
         tunnel.in_scope(|| tracing::debug!("dial requested"));
-        if protocol != "tcp" {
-            ended_before_established(&self.metrics, &tunnel, TunnelEnd::DialFailed);
-            return self
-                .send(Frame::DialResponse {
-                    dial_id,
-                    result: Err(format!(
-                        "unsupported protocol {protocol:?}: only \"tcp\" is served"
-                    )),
-                })
-                .await;
-        }
-        if self.dials.contains_key(&dial_id) {
-            ended_before_established(&self.metrics, &tunnel, TunnelEnd::DialFailed);
-            return self
-                .send(Frame::DialResponse {
-                    dial_id,
-                    result: Err(format!("dial id {dial_id} is already pending")),
-                })
-                .await;
+        let refusal = if protocol != "tcp" {
+            Some(format!(
+                "unsupported protocol {protocol:?}: only \"tcp\" is served"
+            ))
+        } else if self.dials.contains_key(&dial_id) {
+            Some(format!("dial id {dial_id} is already pending"))
+        } else {
+            None
+        };
+        if let Some(error) = refusal {
+            let ended = &self.metrics.tunnels_ended;
+            ended.before_established(&tunnel, TunnelEnd::DialFailed, Some(&error));
+            let result = Err(error);
+            return self.send(Frame::DialResponse { dial_id, result }).await;
         }
         // A slot for the connection's whole life, pending dial included.
         let slot = match self
@@ -404,13 +374,11 @@ impl Session {
             Some(Err(refused)) => {
                 self.metrics.dial_failed(crate::metrics::DialFailure::Limit);
                 tracing::warn!(%address, error = %refused, "dial refused");
-                ended_before_established(&self.metrics, &tunnel, TunnelEnd::Limit);
-                return self
-                    .send(Frame::DialResponse {
-                        dial_id,
-                        result: Err(refused.to_string()),
-                    })
-                    .await;
+                let error = refused.to_string();
+                let ended = &self.metrics.tunnels_ended;
+                ended.before_established(&tunnel, TunnelEnd::Limit, Some(&error));
+                let result = Err(error);
+                return self.send(Frame::DialResponse { dial_id, result }).await;
             }
             Some(Ok(slot)) => Some(slot),
             None => None,
@@ -447,8 +415,8 @@ impl Session {
         let stream = match dialed.result {
             Ok(stream) => stream,
             Err(DialError(error)) => {
-                tunnel.in_scope(|| tracing::debug!(%error, "dial failed"));
-                ended_before_established(&self.metrics, &tunnel, TunnelEnd::DialFailed);
+                let ended = &self.metrics.tunnels_ended;
+                ended.before_established(&tunnel, TunnelEnd::DialFailed, Some(&error));
                 return self
                     .send(Frame::DialResponse {
                         dial_id: dialed.dial_id,
@@ -465,11 +433,11 @@ impl Session {
             result: Ok(connect_id),
         };
         if let Err(gone) = self.send(answer).await {
-            ended_before_established(&self.metrics, &tunnel, TunnelEnd::ServerGone);
+            let ended = &self.metrics.tunnels_ended;
+            ended.before_established(&tunnel, TunnelEnd::ServerGone, None);
             return Err(gone);
         }
         tunnel.record("connect_id", tracing::field::display(connect_id));
-        tunnel.in_scope(|| tracing::debug!("tunnel established"));
         let bytes = Arc::new(TunnelBytes::default());
         let (read, write) = stream.into_split();
         let (route, port) = konnectivity_mux::connection(self.flow_control);
@@ -489,13 +457,10 @@ impl Session {
             route,
             Endpoint {
                 reader: reader.abort_handle(),
-                life: TunnelLife {
-                    span: tunnel,
-                    started: Instant::now(),
-                    bytes,
-                    metrics: self.metrics.clone(),
-                    end: TunnelEnd::ServerGone,
-                },
+                life: self
+                    .metrics
+                    .tunnels_ended
+                    .established(tunnel, bytes, TunnelEnd::ServerGone),
                 _gauge: GaugeGuard::new(&self.metrics.open_endpoint_connections),
                 _slot: dialed.slot,
             },
@@ -507,7 +472,7 @@ impl Session {
     fn end_endpoint(&mut self, connect_id: ConnectId, reason: TunnelEnd) -> bool {
         match self.endpoints.remove(connect_id) {
             Some(mut endpoint) => {
-                endpoint.state.life.end = reason;
+                endpoint.state.life.set_end(reason);
                 true
             }
             None => false,
@@ -522,10 +487,10 @@ impl Session {
         };
         if let Some(mut endpoint) = self.endpoints.remove(closed.connect_id) {
             if let Some(error) = &closed.error {
-                let tunnel = &endpoint.state.life.span;
+                let tunnel = endpoint.state.life.span();
                 tunnel.in_scope(|| tracing::debug!(%error, "endpoint connection failed"));
             }
-            endpoint.state.life.end = reason;
+            endpoint.state.life.set_end(reason);
             drop(endpoint);
             // The error tells the client its connection was cut (a reset),
             // not ended: a reader of "everything until EOF" must not take a

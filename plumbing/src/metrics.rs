@@ -11,6 +11,9 @@
 //! [`encode`] leaves out `# EOF`.
 
 pub mod process;
+mod tunnels;
+
+pub use tunnels::{EndReason, TunnelBytes, TunnelRecord, TunnelsEnded};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -387,35 +390,5 @@ pub fn code_name(code: tonic::Code) -> &'static str {
         Unavailable => "Unavailable",
         DataLoss => "DataLoss",
         Unauthenticated => "Unauthenticated",
-    }
-}
-
-/// HELP of `tunnels_ended_total`, the same family on both binaries.
-pub const TUNNELS_ENDED_HELP: &str = "Tunnels ended, by reason: who or what ended them, before or after they were established (docs/metrics.md).";
-
-/// Bytes through one tunnel, each way: counted where they pass (the
-/// server's tunnel halves, the agent's endpoint tasks) and read once, when
-/// the tunnel's end is logged.
-#[derive(Debug, Default)]
-pub struct TunnelBytes {
-    to_target: AtomicU64,
-    from_target: AtomicU64,
-}
-
-impl TunnelBytes {
-    pub fn sent_to_target(&self, bytes: usize) {
-        self.to_target.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-
-    pub fn received_from_target(&self, bytes: usize) {
-        self.from_target.fetch_add(bytes as u64, Ordering::Relaxed);
-    }
-
-    pub fn to_target(&self) -> u64 {
-        self.to_target.load(Ordering::Relaxed)
-    }
-
-    pub fn from_target(&self) -> u64 {
-        self.from_target.load(Ordering::Relaxed)
     }
 }

@@ -5,7 +5,8 @@ use std::time::Instant;
 
 pub use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::{
-    GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, binary_registry, register,
+    GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, TunnelsEnded,
+    binary_registry, register,
 };
 use konnectivity_proto::PacketType;
 use prometheus_client::metrics::family::Family;
@@ -74,7 +75,8 @@ pub struct ServerMetrics {
     grpc_connections: Family<Labels, Gauge>,
     /// Ours: requests refused by --max-tunnels-per-frontend, by frontend.
     limit_refusals: Family<Labels, GoCounter>,
-    tunnels_ended: Family<Labels, GoCounter>,
+    /// `tunnels_ended_total{reason}`.
+    pub tunnels_ended: TunnelsEnded,
     /// Ours: CONNECT requests refused before any dial, by HTTP status.
     connect_rejections: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
@@ -104,7 +106,7 @@ impl Default for ServerMetrics {
             alive_tasks: Gauge::default(),
             grpc_connections: Family::default(),
             limit_refusals: Family::default(),
-            tunnels_ended: Family::default(),
+            tunnels_ended: TunnelsEnded::default(),
             connect_rejections: Family::default(),
             dial_failures: Family::default(),
             culled_leases: GoCounter::default(),
@@ -195,12 +197,7 @@ impl Default for ServerMetrics {
                 "Tasks alive in the server's async runtime.",
                 metrics.alive_tasks.clone(),
             );
-            register(
-                registry,
-                "tunnels_ended_total",
-                konnectivity_plumbing::metrics::TUNNELS_ENDED_HELP,
-                metrics.tunnels_ended.clone(),
-            );
+            metrics.tunnels_ended = TunnelsEnded::register(registry);
             register(
                 registry,
                 "tunnel_limit_refusals_total",
@@ -275,12 +272,6 @@ impl ServerMetrics {
         };
         self.connect_rejections
             .get_or_create(&vec![("status", status)])
-            .inc();
-    }
-
-    pub fn tunnel_ended(&self, reason: crate::tunnel::TunnelEnd) {
-        self.tunnels_ended
-            .get_or_create(&vec![("reason", reason.label())])
             .inc();
     }
 

@@ -3,7 +3,7 @@
 //! share this one path.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tracing::Instrument;
 
@@ -17,7 +17,7 @@ use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, ServerMetrics};
 use crate::policy::{AllowedDestination, FrontendClass, PolicyError, check_node_destination};
 use konnectivity_plumbing::limit::{Limit, LimitReached, Slot};
-use konnectivity_plumbing::metrics::TunnelBytes;
+use konnectivity_plumbing::metrics::{EndReason, TunnelBytes, TunnelRecord};
 
 /// Why a dial did not produce a connection. The text reaches the client.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -104,8 +104,8 @@ pub enum TunnelEnd {
     Shutdown,
 }
 
-impl TunnelEnd {
-    pub fn label(self) -> &'static str {
+impl EndReason for TunnelEnd {
+    fn label(self) -> &'static str {
         match self {
             TunnelEnd::NoAgent => "no_agent",
             TunnelEnd::Policy => "policy",
@@ -124,10 +124,10 @@ impl TunnelEnd {
 }
 
 /// A dial not yet answered: counted as cancelled if the caller drops it
-/// before it resolves one way or the other. Lives inside the tunnel's span,
-/// which carries its ids.
+/// before it resolves one way or the other.
 struct DialInFlight<'a> {
     metrics: &'a ServerMetrics,
+    tunnel: &'a tracing::Span,
     armed: bool,
 }
 
@@ -135,8 +135,9 @@ impl DialInFlight<'_> {
     /// The dial failed: count and log how.
     fn failed(mut self, error: DialError) -> DialError {
         self.armed = false;
-        self.metrics.tunnel_ended(error.end());
-        tracing::debug!(reason = error.end().label(), %error, "tunnel ended before it was established");
+        let text = error.to_string();
+        let ended = &self.metrics.tunnels_ended;
+        ended.before_established(self.tunnel, error.end(), Some(&text));
         error
     }
 
@@ -149,46 +150,17 @@ impl DialInFlight<'_> {
 impl Drop for DialInFlight<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.metrics.tunnel_ended(TunnelEnd::DialCancelled);
-            tracing::debug!(
-                reason = TunnelEnd::DialCancelled.label(),
-                "tunnel ended before it was established"
-            );
+            let ended = &self.metrics.tunnels_ended;
+            ended.before_established(self.tunnel, TunnelEnd::DialCancelled, None);
         }
     }
 }
 
 /// An established tunnel from dial to end, for its closing log line and
-/// `tunnels_ended_total`. The frontend says how it ended with [`TunnelLife::end`];
-/// dropped without that (its task cancelled), it ended with the server.
-pub struct TunnelLife {
-    /// The tunnel's span: its ids for the closing line.
-    span: tracing::Span,
-    started: Instant,
-    bytes: Arc<TunnelBytes>,
-    metrics: Arc<ServerMetrics>,
-    end: TunnelEnd,
-}
-
-impl TunnelLife {
-    pub fn end(mut self, reason: TunnelEnd) {
-        self.end = reason;
-    }
-}
-
-impl Drop for TunnelLife {
-    fn drop(&mut self) {
-        self.metrics.tunnel_ended(self.end);
-        let _tunnel = self.span.enter();
-        tracing::debug!(
-            reason = self.end.label(),
-            bytes_to_target = self.bytes.to_target(),
-            bytes_from_target = self.bytes.from_target(),
-            duration = ?self.started.elapsed(),
-            "tunnel closed"
-        );
-    }
-}
+/// `tunnels_ended_total`. The frontend says how it ended with
+/// [`TunnelRecord::end`]; dropped without that (its task cancelled), it ended
+/// with the server.
+pub type TunnelLife = TunnelRecord<TunnelEnd>;
 
 /// Dials through the registry's backends.
 #[derive(Clone)]
@@ -223,6 +195,7 @@ impl Dialer {
             tracing::debug!(client = self.class.label(), "dial requested");
             let in_flight = DialInFlight {
                 metrics: &self.metrics,
+                tunnel: &span,
                 armed: true,
             };
             match self.dial_agent(address, dial_id, &span).await {
@@ -298,7 +271,6 @@ impl Dialer {
             Some(Event::Dialed(Ok(connect_id))) => {
                 span.record("agent_id", backend.agent_id.as_str());
                 span.record("connect_id", tracing::field::display(connect_id));
-                tracing::debug!("tunnel established");
                 let bytes = Arc::new(TunnelBytes::default());
                 Ok(TunnelConn {
                     connect_id,
@@ -316,13 +288,10 @@ impl Dialer {
                         unconsumed: 0,
                         bytes: bytes.clone(),
                     },
-                    life: TunnelLife {
-                        span: span.clone(),
-                        started: Instant::now(),
-                        bytes,
-                        metrics: self.metrics.clone(),
-                        end: TunnelEnd::Shutdown,
-                    },
+                    life: self
+                        .metrics
+                        .tunnels_ended
+                        .established(span.clone(), bytes, TunnelEnd::Shutdown),
                 })
             }
             Some(Event::Dialed(Err(text))) => Err(DialError::Agent(text)),
@@ -358,7 +327,7 @@ pub struct TunnelConn {
 impl TunnelConn {
     /// The tunnel's span (its ids), for the frontend to run its relay in.
     pub fn span(&self) -> tracing::Span {
-        self.life.span.clone()
+        self.life.span().clone()
     }
 
     /// Splits into the half that sends to the agent, the half that
