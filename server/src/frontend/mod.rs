@@ -5,3 +5,156 @@ pub mod connect;
 pub mod grpc;
 pub mod listen;
 pub mod stream;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use konnectivity_plumbing::lifecycle::Watcher;
+use konnectivity_plumbing::limit::Limit;
+use konnectivity_plumbing::tls;
+use konnectivity_proto::wire::proxy_service_server::ProxyServiceServer;
+use tokio::task::JoinHandle;
+
+use crate::config::{Config, FrontendListen, Mode, TlsVersions};
+use crate::policy::FrontendClass;
+use crate::tunnel::Dialer;
+use crate::{ServeError, bind_tcp, grpc_server, tls_incoming};
+use authority::TolerantAuthority;
+
+/// What a frontend's task returns: only a gRPC server can fail once running.
+pub type FrontendTask = JoinHandle<Result<(), tonic::transport::Error>>;
+
+/// Binds kube-apiserver's frontend (`--mode`, and `--uds-name` or
+/// `--server-port`) and serves it on a task of its own until `watcher`'s
+/// drain is signalled and its connections have ended.
+pub async fn start(config: &Config, dialer: Dialer, watcher: &Watcher) -> Result<FrontendTask, ServeError> {
+    let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
+    let keepalive = config.frontend_keepalive;
+    let watcher = watcher.clone();
+    let task = match (&config.mode, &config.frontend) {
+        (
+            Mode::HttpConnect,
+            FrontendListen::Uds {
+                path,
+                delete_existing,
+            },
+        ) => {
+            let listener = listen::bind_uds(path, *delete_existing)?;
+            let serve = move |stream| connect::serve(stream, dialer.clone());
+            tokio::spawn(async move {
+                listen::accept_uds(listener, watcher, serve).await;
+                Ok(())
+            })
+        }
+        (
+            Mode::HttpConnect,
+            FrontendListen::Tcp {
+                addr,
+                identity,
+                client_ca,
+            },
+        ) => {
+            let listener = bind_tcp("frontend (--server-port)", *addr).await?;
+            let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"], tls13_only)?;
+            let serve = move |stream| connect::serve(stream, dialer.clone());
+            tokio::spawn(async move {
+                listen::accept_tls(listener, Arc::new(tls), watcher, serve).await;
+                Ok(())
+            })
+        }
+        (
+            Mode::Grpc,
+            FrontendListen::Uds {
+                path,
+                delete_existing,
+            },
+        ) => {
+            let listener = listen::bind_uds(path, *delete_existing)?;
+            // grpc-go names the socket path as :authority; see `authority`.
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
+                .map(|stream| stream.map(TolerantAuthority::new));
+            tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
+        }
+        (
+            Mode::Grpc,
+            FrontendListen::Tcp {
+                addr,
+                identity,
+                client_ca,
+            },
+        ) => {
+            let listener = bind_tcp("frontend (--server-port)", *addr).await?;
+            let tls = tls::server_config(identity, Some(client_ca), &[b"h2"], tls13_only)?;
+            let incoming = tls_incoming(listener, tls, "frontend", Some(watcher.clone()));
+            tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
+        }
+    };
+    Ok(task)
+}
+
+/// Binds the node frontend (`--node-frontend-port`), when configured: gRPC
+/// over mTLS, with a dialer of its own class, policy and tunnel count.
+pub async fn start_node(
+    config: &Config,
+    dialer: &Dialer,
+    watcher: &Watcher,
+) -> Result<Option<JoinHandle<()>>, ServeError> {
+    let Some(node) = &config.node_frontend else {
+        return Ok(None);
+    };
+    let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
+    let listener = bind_tcp("node frontend (--node-frontend-port)", node.addr).await?;
+    let tls = tls::server_config(
+        &config.agent_identity,
+        Some(&node.client_ca),
+        &[b"h2"],
+        tls13_only,
+    )?;
+    let incoming = tls_incoming(listener, tls, "node frontend", Some(watcher.clone()));
+    let node_dialer = Dialer {
+        class: FrontendClass::Node,
+        node_allowed: Arc::new(node.allowed.clone()),
+        // Its own count: nodes cannot starve kube-apiserver of tunnels.
+        tunnel_limit: Limit::from_flag("max-tunnels-per-frontend", config.max_tunnels_per_frontend),
+        ..dialer.clone()
+    };
+    let server = grpc_frontend(node_dialer, config.frontend_keepalive);
+    let watcher = watcher.clone();
+    Ok(Some(tokio::spawn(async move {
+        if let Err(error) = serve_grpc(server, incoming, watcher).await {
+            tracing::error!(%error, "node frontend failed");
+        }
+    })))
+}
+
+/// The gRPC frontend's server: ProxyService only, with windows sized for
+/// bulk transfers on a single stream.
+fn grpc_frontend(dialer: Dialer, keepalive: Option<Duration>) -> tonic::transport::server::Router {
+    grpc_server(keepalive)
+        .initial_stream_window_size(Some(4 * 1024 * 1024))
+        .initial_connection_window_size(Some(16 * 1024 * 1024))
+        .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
+        .add_service(ProxyServiceServer::new(grpc::ProxyServer::new(dialer)))
+}
+
+/// Serves a gRPC frontend until the drain is signalled, then sends GOAWAY
+/// on each connection and returns once they have all closed, holding the
+/// drain until then.
+async fn serve_grpc<IO>(
+    server: tonic::transport::server::Router,
+    incoming: impl futures_util::Stream<Item = Result<IO, std::io::Error>>,
+    watcher: Watcher,
+) -> Result<(), tonic::transport::Error>
+where
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+{
+    server
+        .serve_with_incoming_shutdown(incoming, watcher.signaled())
+        .await
+}
