@@ -21,10 +21,10 @@ use konnectivity_plumbing::metrics::TunnelBytes;
 /// A failed dial, with error text in the form Go's dialer writes, so that
 /// servers (ours and upstream's) classify it the same way.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DialError(pub String);
+pub(crate) struct DialError(pub String);
 
 /// Dials `address` within `timeout`.
-pub async fn dial(
+pub(crate) async fn dial(
     address: &DialTarget,
     timeout: Duration,
     mark: Option<u32>,
@@ -89,14 +89,14 @@ fn go_dial_error(address: &str, error: &ConnectError) -> String {
 
 /// What an endpoint's tasks report to their session.
 #[derive(Debug)]
-pub struct EndpointClosed {
+pub(crate) struct EndpointClosed {
     pub connect_id: ConnectId,
     pub error: Option<String>,
 }
 
 /// What an endpoint's two tasks need of their session's stream.
 #[derive(Clone)]
-pub struct StreamHandle {
+pub(crate) struct StreamHandle {
     pub connect_id: ConnectId,
     /// Packets to the server.
     pub outbound: mpsc::Sender<Packet>,
@@ -114,7 +114,7 @@ impl StreamHandle {
 
 /// Reads from the endpoint and sends DATA to the server until the endpoint
 /// closes; then reports the close so the session answers with CLOSE_RSP.
-pub async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream: StreamHandle) {
+pub(crate) async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream: StreamHandle) {
     let connect_id = stream.connect_id;
     let error = loop {
         // Wait for bytes before taking a buffer, and take a fresh one each
@@ -146,7 +146,7 @@ pub async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream:
 /// Writes what the server sends to the endpoint, returning flow-control
 /// credit as the bytes leave. Ends when the session drops the sender
 /// (CLOSE_REQ, or the stream ended) after writing what was queued.
-pub async fn pump_to_endpoint(mut write: OwnedWriteHalf, mut port: Port<Bytes>, stream: StreamHandle) {
+pub(crate) async fn pump_to_endpoint(mut write: OwnedWriteHalf, mut port: Port<Bytes>, stream: StreamHandle) {
     while let Some(chunk) = port.recv().await {
         if let Err(error) = write.write_all(&chunk).await {
             stream.report_closed(Some(error.to_string())).await;

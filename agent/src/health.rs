@@ -10,7 +10,7 @@ use konnectivity_plumbing::metrics;
 use crate::capture::NodeReadiness;
 use crate::metrics::AgentMetrics;
 
-pub struct AgentEndpoints {
+pub(crate) struct AgentEndpoints {
     pub metrics: Arc<AgentMetrics>,
     /// Signalled by the first SIGTERM: the agent drains.
     pub drain: Watcher,

@@ -7,13 +7,28 @@
 pub mod capture;
 pub mod cni;
 pub mod config;
-pub mod endpoint;
-pub mod health;
-pub mod metrics;
+mod endpoint;
+mod health;
+mod metrics;
 pub mod programs;
-pub mod server_conn;
-pub mod servers;
-pub mod session;
+mod server_conn;
+mod servers;
+mod session;
+
+/// What the fuzz targets reach inside the agent: a server stream's session
+/// and the capture map's parser. Not an API: only with the `test-hooks`
+/// feature, which the binary is never built with.
+#[cfg(feature = "test-hooks")]
+pub mod hooks {
+    pub use crate::capture::map::Capture;
+    pub use crate::metrics::AgentMetrics;
+    pub use crate::session::SessionSettings;
+
+    /// A server stream's session.
+    pub mod session {
+        pub use crate::session::run;
+    }
+}
 
 use std::sync::Arc;
 use std::time::Duration;

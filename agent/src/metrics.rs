@@ -1,7 +1,7 @@
 //! The agent's Prometheus metrics, under upstream's names
 //! (`konnectivity_network_proxy_agent_*`).
 
-pub use konnectivity_plumbing::metrics::Segment;
+pub(crate) use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::{
     GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, TunnelsEnded, binary_registry, register,
 };

@@ -38,7 +38,7 @@ const OUTBOUND_QUEUE: usize = 256;
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
-pub enum ConnectError {
+pub(crate) enum ConnectError {
     #[error("connecting to proxy-server {address}: {source}")]
     Transport {
         address: String,
@@ -64,7 +64,7 @@ pub enum ConnectError {
 
 /// Where and how to reach the server.
 #[derive(Clone)]
-pub struct ServerTarget {
+pub(crate) struct ServerTarget {
     pub host: String,
     pub port: u16,
     pub tls: Arc<rustls::ClientConfig>,
@@ -80,7 +80,7 @@ pub struct ServerTarget {
 }
 
 /// An open AgentService stream.
-pub struct ServerStream {
+pub(crate) struct ServerStream {
     pub server_id: String,
     pub server_count: u32,
     pub inbound: Streaming<Packet>,
@@ -94,12 +94,12 @@ pub struct ServerStream {
 
 /// What a probe learned: the connection answers, and the server's count now.
 #[derive(Debug, Clone, Copy)]
-pub struct ProbeAnswer {
+pub(crate) struct ProbeAnswer {
     pub server_count: u32,
 }
 
 impl ServerTarget {
-    pub fn address(&self) -> String {
+    pub(crate) fn address(&self) -> String {
         if self.host.contains(':') {
             format!("[{}]:{}", self.host, self.port)
         } else {
@@ -109,7 +109,7 @@ impl ServerTarget {
 
     /// Opens a stream on a new connection; `metrics` counts the packets the
     /// agent sends on it.
-    pub async fn connect(&self, metrics: &Arc<AgentMetrics>) -> Result<ServerStream, ConnectError> {
+    pub(crate) async fn connect(&self, metrics: &Arc<AgentMetrics>) -> Result<ServerStream, ConnectError> {
         // Before dialing: without a token the server would refuse us anyway.
         let metadata = self.metadata(false).await?;
         let channel = self.dial().await?;
@@ -136,7 +136,7 @@ impl ServerTarget {
     /// connection: a probe stream gets the usual headers back and ends. Only
     /// for servers that negotiated flow control (ours); upstream servers
     /// would register the probe as an agent stream.
-    pub async fn probe(&self, channel: &Channel) -> Result<ProbeAnswer, ConnectError> {
+    pub(crate) async fn probe(&self, channel: &Channel) -> Result<ProbeAnswer, ConnectError> {
         let metadata = self.metadata(true).await?;
         let response = self
             .call(channel, metadata, tokio_stream::empty::<Packet>(), PROBE_TIMEOUT)

@@ -29,7 +29,7 @@ use crate::session::{self, SessionSettings, StreamEnd};
 
 /// How often and how eagerly the agent re-checks its servers.
 #[derive(Clone, Copy, Debug)]
-pub struct SyncSettings {
+pub(crate) struct SyncSettings {
     /// `--probe-interval`: how often each held connection is probed.
     pub probe_interval: Duration,
     /// `--sync-forever`: keep the server count current after converging.
@@ -51,7 +51,7 @@ enum Report {
 
 /// Holds streams to `servercount` distinct servers, forever: dials with
 /// upstream's backoff while short of them, waits for a loss once converged.
-pub async fn serve(
+pub(crate) async fn serve(
     target: ServerTarget,
     settings: SessionSettings,
     sync: SyncSettings,

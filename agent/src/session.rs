@@ -24,7 +24,7 @@ use konnectivity_plumbing::metrics::{EndReason, TunnelBytes, TunnelRecord};
 /// `tunnels_ended_total{reason}` and logged at -v=2. Every DIAL_REQ ends
 /// exactly once, established or not.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TunnelEnd {
+pub(crate) enum TunnelEnd {
     /// The target could not be dialed (refused, timed out, no such host),
     /// or the request itself was not valid.
     DialFailed,

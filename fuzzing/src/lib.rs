@@ -12,9 +12,9 @@ mod uds_authority;
 pub use streams::{agent_stream, frontend_stream, server_stream};
 pub use uds_authority::uds_authority;
 
-use konnectivity_agent::capture::map::Capture;
+use konnectivity_agent::hooks::Capture;
 use konnectivity_proto::AgentIdentifiers;
-use konnectivity_server::frontend::connect::{MAX_HEAD, parse_head};
+use konnectivity_server::hooks::{MAX_HEAD, parse_head};
 
 /// A fuzz target's checks, applied to one input.
 pub type Target = fn(&[u8]);

@@ -48,9 +48,9 @@ fn runtime() -> tokio::runtime::Runtime {
 /// A server's session for one agent stream, with the agent end left to the
 /// caller: `from_agent` feeds the session, `to_agent` is what it sends.
 struct ServerSide {
-    registry: Arc<konnectivity_server::backend::registry::Registry>,
-    backend: Arc<konnectivity_server::backend::Backend>,
-    metrics: Arc<konnectivity_server::metrics::ServerMetrics>,
+    registry: Arc<konnectivity_server::hooks::Registry>,
+    backend: Arc<konnectivity_server::hooks::Backend>,
+    metrics: Arc<konnectivity_server::hooks::ServerMetrics>,
     from_agent: mpsc::UnboundedSender<Result<Packet, tonic::Status>>,
     to_agent: mpsc::Receiver<Packet>,
     session: tokio::task::JoinHandle<()>,
@@ -59,10 +59,10 @@ struct ServerSide {
 /// Starts a [`ServerSide`] whose agent did (or did not) negotiate flow
 /// control. Needs a runtime.
 fn server_side(flow_control: bool) -> ServerSide {
-    use konnectivity_server::backend::registry::Registry;
-    use konnectivity_server::backend::strategy::Strategy;
-    use konnectivity_server::backend::{Announced, Backend, BackendId, session};
-    use konnectivity_server::metrics::ServerMetrics;
+    use konnectivity_server::hooks::Registry;
+    use konnectivity_server::hooks::ServerMetrics;
+    use konnectivity_server::hooks::Strategy;
+    use konnectivity_server::hooks::{Announced, Backend, BackendId, session};
 
     let metrics = Arc::new(ServerMetrics::default());
     let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
@@ -96,7 +96,7 @@ fn server_side(flow_control: bool) -> ServerSide {
 /// negotiated flow control; bit 1, the frontends read what reaches them
 /// (otherwise they read nothing and go away at the end).
 pub fn server_stream(data: &[u8]) {
-    use konnectivity_server::backend::{Command, Event};
+    use konnectivity_server::hooks::{Command, Event};
 
     let (switches, packets) = decode(data);
     let flow_control = switches & 1 != 0;
@@ -210,8 +210,8 @@ async fn settles(what: &str, done: impl Fn() -> bool) {
 /// negotiated. Every DIAL_REQ is sent to a local echo listener instead of
 /// its fuzzed address, so no input reaches beyond this process.
 pub fn agent_stream(data: &[u8]) {
-    use konnectivity_agent::metrics::AgentMetrics;
-    use konnectivity_agent::session;
+    use konnectivity_agent::hooks::AgentMetrics;
+    use konnectivity_agent::hooks::session;
 
     let (switches, mut packets) = decode(data);
     let flow_control = switches & 1 != 0;
@@ -250,8 +250,8 @@ pub fn agent_stream(data: &[u8]) {
     });
 }
 
-fn agent_settings() -> konnectivity_agent::session::SessionSettings {
-    konnectivity_agent::session::SessionSettings {
+fn agent_settings() -> konnectivity_agent::hooks::SessionSettings {
+    konnectivity_agent::hooks::SessionSettings {
         dial_timeout: Duration::from_secs(1),
         endpoint_limit: None,
         mark: None,
@@ -298,12 +298,12 @@ async fn await_answer(
 
 /// [`frontend_stream`], returning what the client read.
 fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
-    use konnectivity_agent::metrics::AgentMetrics;
-    use konnectivity_agent::session;
+    use konnectivity_agent::hooks::AgentMetrics;
+    use konnectivity_agent::hooks::session;
     use konnectivity_proto::Frame;
-    use konnectivity_server::frontend::grpc::serve_client;
-    use konnectivity_server::policy::FrontendClass;
-    use konnectivity_server::tunnel::Dialer;
+    use konnectivity_server::hooks::Dialer;
+    use konnectivity_server::hooks::FrontendClass;
+    use konnectivity_server::hooks::serve_client;
     use tokio_stream::StreamExt;
 
     let (switches, packets) = decode(data);

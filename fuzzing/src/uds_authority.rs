@@ -5,7 +5,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use konnectivity_server::frontend::authority::TolerantAuthority;
+use konnectivity_server::hooks::TolerantAuthority;
 use tokio::io::{AsyncRead, AsyncReadExt, ReadBuf};
 
 /// The input's first byte is the read size (1 to 256 bytes), the rest the

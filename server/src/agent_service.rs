@@ -23,7 +23,7 @@ use crate::backend::{Announced, Backend, BackendId, session};
 use crate::metrics::ServerMetrics;
 use crate::token_auth::TokenAuthenticator;
 
-pub struct AgentServer {
+pub(crate) struct AgentServer {
     registry: Arc<Registry>,
     metrics: Arc<ServerMetrics>,
     server_id: AsciiMetadataValue,
@@ -35,7 +35,7 @@ pub struct AgentServer {
 }
 
 impl AgentServer {
-    pub fn new(
+    pub(crate) fn new(
         registry: Arc<Registry>,
         metrics: Arc<ServerMetrics>,
         server_id: &str,

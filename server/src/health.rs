@@ -9,7 +9,7 @@ use konnectivity_plumbing::metrics;
 use crate::backend::registry::Registry;
 use crate::metrics::ServerMetrics;
 
-pub struct ServerEndpoints {
+pub(crate) struct ServerEndpoints {
     pub registry: Arc<Registry>,
     pub metrics: Arc<ServerMetrics>,
 }

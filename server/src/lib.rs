@@ -4,15 +4,32 @@
 //! [`backend`] (agent streams and routing), [`tunnel`] (a frontend's dial),
 //! [`frontend`] (HTTP CONNECT and listeners), [`health`] and [`metrics`].
 
-pub mod agent_service;
-pub mod backend;
+mod agent_service;
+mod backend;
 pub mod config;
-pub mod frontend;
-pub mod health;
-pub mod metrics;
-pub mod policy;
-pub mod token_auth;
-pub mod tunnel;
+mod frontend;
+mod health;
+mod metrics;
+mod policy;
+mod token_auth;
+mod tunnel;
+
+/// What the fuzz targets and the integration tests reach inside the server:
+/// an agent stream's session with its backend and registry, the frontends'
+/// parsers and the flag-value parsers. Not an API: only with the
+/// `test-hooks` feature, which the binary is never built with.
+#[cfg(feature = "test-hooks")]
+pub mod hooks {
+    pub use crate::backend::registry::Registry;
+    pub use crate::backend::strategy::{Strategy, parse_strategies};
+    pub use crate::backend::{Announced, Backend, BackendId, Command, Event, session};
+    pub use crate::frontend::authority::TolerantAuthority;
+    pub use crate::frontend::connect::{MAX_HEAD, parse_head};
+    pub use crate::frontend::grpc::serve_client;
+    pub use crate::metrics::ServerMetrics;
+    pub use crate::policy::{FrontendClass, parse_allowed};
+    pub use crate::tunnel::Dialer;
+}
 
 use std::future::Future;
 use std::net::SocketAddr;

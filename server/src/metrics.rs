@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-pub use konnectivity_plumbing::metrics::Segment;
+pub(crate) use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::{
     GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, TunnelsEnded,
     binary_registry, register,

@@ -94,7 +94,7 @@ pub enum PolicyError {
 }
 
 /// Checks a node client's dial address against the allow-list.
-pub fn check_node_destination(
+pub(crate) fn check_node_destination(
     allowed: &[AllowedDestination],
     address: &DialTarget,
 ) -> Result<(), PolicyError> {

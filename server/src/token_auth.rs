@@ -22,11 +22,11 @@ use tonic::Status;
 use tonic::metadata::MetadataMap;
 
 /// The metadata key and scheme upstream agents send their token with.
-pub const AUTHORIZATION: &str = "authorization";
+pub(crate) const AUTHORIZATION: &str = "authorization";
 const BEARER: &str = "Bearer ";
 const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
 /// How long kube-apiserver's answer about one token is reused.
-pub const CACHE_TTL: Duration = Duration::from_secs(10);
+pub(crate) const CACHE_TTL: Duration = Duration::from_secs(10);
 /// Distinct tokens remembered at most; past it, expired answers are dropped
 /// and, if that is not enough, all of them (a flood of junk tokens must not
 /// grow memory).
@@ -42,7 +42,7 @@ pub struct AllowedAgents {
 
 /// Why a token was not admitted, as kube-apiserver's answer showed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum Denied {
+pub(crate) enum Denied {
     #[error("token review failed: {0}")]
     ReviewError(String),
     #[error("token not valid (TokenReview: not authenticated)")]
@@ -110,14 +110,14 @@ struct CacheEntry {
     verdict: OnceCell<Verdict>,
 }
 
-pub struct TokenAuthenticator {
+pub(crate) struct TokenAuthenticator {
     kube: KubeClient,
     allowed: AllowedAgents,
     cache: Mutex<HashMap<[u8; 32], Arc<CacheEntry>>>,
 }
 
 impl TokenAuthenticator {
-    pub fn new(kube: KubeClient, allowed: AllowedAgents) -> Self {
+    pub(crate) fn new(kube: KubeClient, allowed: AllowedAgents) -> Self {
         TokenAuthenticator {
             kube,
             allowed,
@@ -127,7 +127,7 @@ impl TokenAuthenticator {
 
     /// Checks an agent stream's token; the error is what the agent sees.
     /// Returns the ServiceAccount's user name.
-    pub async fn authenticate(&self, metadata: &MetadataMap) -> Result<String, Status> {
+    pub(crate) async fn authenticate(&self, metadata: &MetadataMap) -> Result<String, Status> {
         let token = bearer_token(metadata)?;
         match self.review(token).await {
             Ok(Ok(username)) => Ok(username),

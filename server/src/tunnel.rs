@@ -160,7 +160,7 @@ impl Drop for DialInFlight<'_> {
 /// `tunnels_ended_total`. The frontend says how it ended with
 /// [`TunnelRecord::end`]; dropped without that (its task cancelled), it ended
 /// with the server.
-pub type TunnelLife = TunnelRecord<TunnelEnd>;
+pub(crate) type TunnelLife = TunnelRecord<TunnelEnd>;
 
 /// Dials through the registry's backends.
 #[derive(Clone)]

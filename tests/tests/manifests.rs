@@ -235,10 +235,10 @@ fn check_flags(run: &Run) {
             .and_then(|text| konnectivity_proto::AgentIdentifiers::parse(text).err())
             .map(|e| ("agent-identifiers", e.to_string())),
         run.flag("node-allowed-destinations")
-            .and_then(|text| konnectivity_server::policy::parse_allowed(text).err())
+            .and_then(|text| konnectivity_server::hooks::parse_allowed(text).err())
             .map(|e| ("node-allowed-destinations", e)),
         run.flag("proxy-strategies")
-            .and_then(|text| konnectivity_server::backend::strategy::parse_strategies(text).err())
+            .and_then(|text| konnectivity_server::hooks::parse_strategies(text).err())
             .map(|e| ("proxy-strategies", e)),
     ];
     if let Some((flag, error)) = problems.into_iter().flatten().next() {

@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 /// One cached attachment, as much of it as enrolment needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CachedAttachment {
+pub(super) struct CachedAttachment {
     pub container_id: String,
     pub ifname: String,
     pub netns: String,
@@ -35,7 +35,7 @@ struct CacheFile {
 /// The attachments cached under `cache_dir` that name their namespace;
 /// files that are not libcni's v1 cache, or that cannot be read, are
 /// skipped (the cache is the runtime's, not ours to judge).
-pub fn attachments(cache_dir: &Path) -> Vec<CachedAttachment> {
+pub(super) fn attachments(cache_dir: &Path) -> Vec<CachedAttachment> {
     let Ok(entries) = std::fs::read_dir(cache_dir.join("results")) else {
         return Vec::new();
     };

@@ -17,7 +17,7 @@ use super::pods::Pods;
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Binds the socket, replacing a stale file from an earlier run.
-pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+pub(super) fn bind(path: &Path) -> std::io::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -27,7 +27,7 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-pub async fn serve(listener: UnixListener, pods: Arc<Pods>, readiness: Arc<NodeReadiness>) {
+pub(super) async fn serve(listener: UnixListener, pods: Arc<Pods>, readiness: Arc<NodeReadiness>) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {

@@ -15,7 +15,7 @@ use super::map::{CaptureMap, OrigDst};
 use crate::metrics::{AgentMetrics, CaptureOutcome};
 
 /// What every captured connection needs.
-pub struct CaptureContext {
+pub(super) struct CaptureContext {
     pub map: CaptureMap,
     /// The node tunnel, once connected.
     pub tunnel: watch::Receiver<Option<Tunnel>>,
@@ -23,7 +23,7 @@ pub struct CaptureContext {
 }
 
 /// Accepts captured connections until the task is dropped.
-pub async fn serve(listener: TcpListener, context: Arc<CaptureContext>) {
+pub(super) async fn serve(listener: TcpListener, context: Arc<CaptureContext>) {
     loop {
         match listener.accept().await {
             Ok((connection, _)) => {

@@ -9,13 +9,13 @@
 //! [`netns`] enters pod namespaces. Installing the plugin on a node is
 //! `crate::cni`, which needs none of this.
 
-pub mod cni_cache;
-pub mod cni_socket;
-pub mod listener;
-pub mod map;
-pub mod netns;
-pub mod nft;
-pub mod pods;
+mod cni_cache;
+mod cni_socket;
+mod listener;
+pub(crate) mod map;
+mod netns;
+mod nft;
+mod pods;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;

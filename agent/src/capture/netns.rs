@@ -10,7 +10,7 @@ use nix::sched::{CloneFlags, setns};
 /// this namespace, whatever its path names by then (a reused PID, a pin
 /// made anew), and it stays alive while held.
 #[derive(Clone, Debug)]
-pub struct NetnsHandle {
+pub(super) struct NetnsHandle {
     file: std::sync::Arc<File>,
     identity: (u64, u64),
 }
@@ -18,7 +18,7 @@ pub struct NetnsHandle {
 impl NetnsHandle {
     /// Opens the namespace at `path` (a bind-mounted `/var/run/netns/NAME`
     /// or `/proc/PID/ns/net`).
-    pub fn open(path: &Path) -> std::io::Result<NetnsHandle> {
+    pub(super) fn open(path: &Path) -> std::io::Result<NetnsHandle> {
         use std::os::unix::fs::MetadataExt;
         let file = File::open(path)?;
         let metadata = file.metadata()?;
@@ -29,14 +29,14 @@ impl NetnsHandle {
     }
 
     /// The namespace's device and inode, as `stat` of any path to it gives.
-    pub fn identity(&self) -> (u64, u64) {
+    pub(super) fn identity(&self) -> (u64, u64) {
         self.identity
     }
 
     /// Runs `work` on a fresh thread that has entered the namespace.
     /// Sockets it creates stay in that namespace after the thread ends;
     /// child processes it spawns (nft) run in it too.
-    pub fn run<T, F>(&self, work: F) -> std::io::Result<T>
+    pub(super) fn run<T, F>(&self, work: F) -> std::io::Result<T>
     where
         T: Send + 'static,
         F: FnOnce() -> std::io::Result<T> + Send + 'static,
@@ -51,21 +51,11 @@ impl NetnsHandle {
     }
 }
 
-/// Runs `work` on a fresh thread that has entered the network namespace at
-/// `netns`, as [`NetnsHandle::run`].
-pub fn in_netns<T, F>(netns: &Path, work: F) -> std::io::Result<T>
-where
-    T: Send + 'static,
-    F: FnOnce() -> std::io::Result<T> + Send + 'static,
-{
-    NetnsHandle::open(netns)?.run(work)
-}
-
 /// Brings the current network namespace's loopback device up with one
 /// RTM_NEWLINK (set IFF_UP on `lo`), as `ip link set lo up` would, from the
 /// calling thread: a netlink socket acts in the namespace it was opened in,
-/// so call this on the thread [`in_netns`] runs (the image ships no `ip`).
-pub fn set_loopback_up() -> std::io::Result<()> {
+/// so call this inside [`NetnsHandle::run`] (the image ships no `ip`).
+pub(super) fn set_loopback_up() -> std::io::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .build()?;

@@ -9,11 +9,11 @@ use std::process::Stdio;
 use super::map::CaptureMap;
 use crate::programs::NFT;
 
-pub const TABLE_FAMILY: &str = "inet";
-pub const TABLE_NAME: &str = "konnectivity";
+pub(super) const TABLE_FAMILY: &str = "inet";
+pub(super) const TABLE_NAME: &str = "konnectivity";
 /// Before kube-proxy's DNAT (priority -100): we must see the VIP before it
 /// is rewritten to an endpoint.
-pub const PRIORITY: i32 = -110;
+pub(super) const PRIORITY: i32 = -110;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
@@ -27,7 +27,7 @@ pub enum NftError {
 /// except connections whose socket carries `mark` (the agent's own). The
 /// leading `add`/`delete` pair replaces any stale table in the same
 /// transaction, so there is never a moment without rules or with two sets.
-pub fn render(map: &CaptureMap, capture_port: u16, mark: u32) -> String {
+pub(super) fn render(map: &CaptureMap, capture_port: u16, mark: u32) -> String {
     let mut rules = String::new();
     for capture in map.entries() {
         let family = match capture.destination {
@@ -54,36 +54,16 @@ pub fn render(map: &CaptureMap, capture_port: u16, mark: u32) -> String {
 }
 
 /// Applies a ruleset with `nft -f -` in the current network namespace.
-pub fn apply(ruleset: &str) -> Result<(), NftError> {
+pub(super) fn apply(ruleset: &str) -> Result<(), NftError> {
     run_nft(&["-f", "-"], Some(ruleset))
 }
 
 /// Deletes our table; a table that is already gone is not an error.
-pub fn remove() -> Result<(), NftError> {
+pub(super) fn remove() -> Result<(), NftError> {
     match run_nft(&["delete", "table", TABLE_FAMILY, TABLE_NAME], None) {
         Err(NftError::Refused(text)) if text.contains("No such file or directory") => Ok(()),
         other => other,
     }
-}
-
-/// Whether our table exists, with the rules `expected` would install.
-pub fn is_installed(map: &CaptureMap, capture_port: u16) -> bool {
-    let Ok(output) = NFT
-        .command()
-        .args(["list", "table", TABLE_FAMILY, TABLE_NAME])
-        .output()
-    else {
-        return false;
-    };
-    let listed = String::from_utf8_lossy(&output.stdout);
-    output.status.success()
-        && map.entries().iter().all(|capture| {
-            listed.contains(&format!(
-                "{} tcp dport {}",
-                capture.destination.ip(),
-                capture.destination.port()
-            )) && listed.contains(&format!("redirect to :{capture_port}"))
-        })
 }
 
 fn run_nft(args: &[&str], stdin: Option<&str>) -> Result<(), NftError> {

@@ -60,7 +60,7 @@ impl Drop for CapturedPod {
 
 /// Settings for pod capture.
 #[derive(Clone)]
-pub struct PodSettings {
+pub(super) struct PodSettings {
     pub ruleset: String,
     pub capture_port: u16,
     pub ipv6: bool,
@@ -87,7 +87,7 @@ fn namespace_identity(path: &Path) -> std::io::Result<(u64, u64)> {
     Ok((metadata.dev(), metadata.ino()))
 }
 
-pub struct Pods {
+pub(super) struct Pods {
     settings: PodSettings,
     context: Arc<CaptureContext>,
     pods: Mutex<HashMap<String, CapturedPod>>,
@@ -140,7 +140,7 @@ fn validate(
 }
 
 impl Pods {
-    pub fn new(settings: PodSettings, context: Arc<CaptureContext>) -> Result<Pods, PodError> {
+    pub(super) fn new(settings: PodSettings, context: Arc<CaptureContext>) -> Result<Pods, PodError> {
         std::fs::create_dir_all(&settings.state_dir).map_err(|source| PodError::State {
             dir: settings.state_dir.display().to_string(),
             source,
@@ -159,7 +159,7 @@ impl Pods {
 
     /// Captures a pod: rules and listener inside its namespace, then the
     /// state file. Answered only when both are in place.
-    pub async fn add(&self, pod: &Pod) -> Result<(), PodError> {
+    pub(super) async fn add(&self, pod: &Pod) -> Result<(), PodError> {
         self.capture(pod, true).await.map(|_| ())
     }
 
@@ -278,7 +278,7 @@ impl Pods {
 
     /// Forgets a pod: listeners closed, state removed. Its rules die with
     /// its namespace. Unknown pods are fine (DEL is repeated).
-    pub fn remove(&self, container_id: &str) {
+    pub(super) fn remove(&self, container_id: &str) {
         let removed = self.pods.lock().expect("pods lock").remove(container_id);
         if removed.is_some() {
             tracing::info!(%container_id, "pod released");
@@ -287,7 +287,7 @@ impl Pods {
     }
 
     /// Whether a pod's listener runs and its rules are in its namespace.
-    pub async fn check(&self, container_id: &str) -> Result<(), String> {
+    pub(super) async fn check(&self, container_id: &str) -> Result<(), String> {
         let netns = {
             let pods = self.pods.lock().expect("pods lock");
             let pod = pods
@@ -320,7 +320,7 @@ impl Pods {
     }
 
     /// Keeps only the listed attachments (CNI GC).
-    pub fn retain(&self, valid: &[Attachment]) {
+    pub(super) fn retain(&self, valid: &[Attachment]) {
         let stale: Vec<String> = self
             .pods
             .lock()
@@ -350,7 +350,7 @@ impl Pods {
     /// or pass through as excluded) is never taken early. That is how the
     /// agent re-checks while it runs, for pods created while the primary CNI
     /// had dropped our entry from its configuration.
-    pub async fn enrol_existing(&self, uncached: bool) {
+    pub(super) async fn enrol_existing(&self, uncached: bool) {
         let Some(dir) = self.settings.netns_dir.clone() else {
             return;
         };
@@ -432,7 +432,7 @@ impl Pods {
 
     /// Forgets the pods whose namespace is gone, or whose path now names
     /// another namespace.
-    pub fn forget_gone(&self) {
+    pub(super) fn forget_gone(&self) {
         let gone: Vec<String> = self
             .pods
             .lock()
@@ -451,7 +451,7 @@ impl Pods {
 
     /// Re-opens every pod recorded in the state directory whose namespace
     /// still exists; drops the records of the others.
-    pub async fn restore(&self) {
+    pub(super) async fn restore(&self) {
         let Ok(entries) = std::fs::read_dir(&self.settings.state_dir) else {
             return;
         };

@@ -8,9 +8,9 @@
 //! straight onto the agent's outbound queue, without a hop through the
 //! session task.
 
-pub mod registry;
+pub(crate) mod registry;
 pub mod session;
-pub mod strategy;
+pub(crate) mod strategy;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -76,7 +76,7 @@ impl From<Bytes> for Event {
 }
 
 /// The error text frontends see when an agent stream goes away.
-pub const AGENT_DISCONNECTED: &str = "agent disconnected";
+pub(crate) const AGENT_DISCONNECTED: &str = "agent disconnected";
 
 /// Packets queued towards one agent; bounds memory per agent stream (at
 /// most this many packets, DATA of up to [`konnectivity_proto::DATA_CHUNK`]).

@@ -93,7 +93,7 @@ fn oldest_per_agent<'a>(candidates: impl Iterator<Item = &'a Arc<Backend>>) -> V
 /// Picks a backend for a dial to `host`: within the first strategy that has
 /// candidates, a random one that is not draining, or a draining one when
 /// all candidates drain (so a draining fleet still serves).
-pub fn select(strategies: &[Strategy], backends: &[Arc<Backend>], host: &str) -> Option<Arc<Backend>> {
+pub(crate) fn select(strategies: &[Strategy], backends: &[Arc<Backend>], host: &str) -> Option<Arc<Backend>> {
     let mut rng = rand::rng();
     for strategy in strategies {
         let candidates = oldest_per_agent(backends.iter().filter(|b| strategy.admits(b, host)));

@@ -21,12 +21,12 @@ use crate::tunnel::{Dialer, RemoteEnd, TunnelConn, TunnelEnd};
 
 /// The success line; Go's client reads exactly this, and nothing may follow
 /// it before the tunneled bytes.
-pub const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
+pub(crate) const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
 
 /// The longest request head accepted.
 pub const MAX_HEAD: usize = 16 * 1024;
 /// How long a client may take to send its request head.
-pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A request that cannot be tunneled, with the status it is answered with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -166,7 +166,7 @@ const LINGER_BYTES: usize = 256 * 1024;
 const LINGER_TIME: Duration = Duration::from_secs(2);
 
 /// Serves one CONNECT connection from request to close.
-pub async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
+pub(crate) async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
     let _open = GaugeGuard::new(&dialer.metrics.http_connections);
     let request = match read_request(&mut stream).await {
         Ok(request) => request,

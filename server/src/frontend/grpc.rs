@@ -24,12 +24,12 @@ use crate::tunnel::{DialError, Dialer, TunnelConn, TunnelEnd};
 /// Packets queued towards one frontend client.
 const TO_CLIENT_QUEUE: usize = 64;
 
-pub struct ProxyServer {
+pub(crate) struct ProxyServer {
     dialer: Dialer,
 }
 
 impl ProxyServer {
-    pub fn new(dialer: Dialer) -> Self {
+    pub(crate) fn new(dialer: Dialer) -> Self {
         ProxyServer { dialer }
     }
 }

@@ -12,7 +12,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::ServeError;
 
 /// Binds a Unix socket at `path`, replacing a leftover file when asked to.
-pub fn bind_uds(path: &Path, delete_existing: bool) -> Result<UnixListener, ServeError> {
+pub(crate) fn bind_uds(path: &Path, delete_existing: bool) -> Result<UnixListener, ServeError> {
     let bind_error = |source| ServeError::Bind {
         what: "frontend (--uds-name)",
         addr: path.display().to_string(),
@@ -40,7 +40,7 @@ pub fn bind_uds(path: &Path, delete_existing: bool) -> Result<UnixListener, Serv
 /// connection with `serve`. Each connection holds a clone of `watcher` for as
 /// long as it is served, so the drain waits for its tunnel; the listening
 /// socket closes when this returns.
-pub async fn accept_uds<F, Fut>(listener: UnixListener, watcher: Watcher, serve: F)
+pub(crate) async fn accept_uds<F, Fut>(listener: UnixListener, watcher: Watcher, serve: F)
 where
     F: Fn(tokio::net::UnixStream) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
@@ -62,7 +62,7 @@ where
 
 /// Accepts TLS connections (handshakes run concurrently) until the drain is
 /// signalled, serving each with `serve` as [`accept_uds`] does.
-pub async fn accept_tls<F, Fut>(
+pub(crate) async fn accept_tls<F, Fut>(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     watcher: Watcher,

@@ -1,10 +1,10 @@
 //! Frontends: where kube-apiserver (or any tunnel client) connects.
 
-pub mod authority;
-pub mod connect;
-pub mod grpc;
-pub mod listen;
-pub mod stream;
+pub(crate) mod authority;
+pub(crate) mod connect;
+pub(crate) mod grpc;
+pub(crate) mod listen;
+pub(crate) mod stream;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,12 +23,16 @@ use crate::{ServeError, bind_tcp, grpc_server, tls_incoming};
 use authority::TolerantAuthority;
 
 /// What a frontend's task returns: only a gRPC server can fail once running.
-pub type FrontendTask = JoinHandle<Result<(), tonic::transport::Error>>;
+pub(crate) type FrontendTask = JoinHandle<Result<(), tonic::transport::Error>>;
 
 /// Binds kube-apiserver's frontend (`--mode`, and `--uds-name` or
 /// `--server-port`) and serves it on a task of its own until `watcher`'s
 /// drain is signalled and its connections have ended.
-pub async fn start(config: &Config, dialer: Dialer, watcher: &Watcher) -> Result<FrontendTask, ServeError> {
+pub(crate) async fn start(
+    config: &Config,
+    dialer: Dialer,
+    watcher: &Watcher,
+) -> Result<FrontendTask, ServeError> {
     let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
     let keepalive = config.frontend_keepalive;
     let watcher = watcher.clone();
@@ -95,7 +99,7 @@ pub async fn start(config: &Config, dialer: Dialer, watcher: &Watcher) -> Result
 
 /// Binds the node frontend (`--node-frontend-port`), when configured: gRPC
 /// over mTLS, with a dialer of its own class, policy and tunnel count.
-pub async fn start_node(
+pub(crate) async fn start_node(
     config: &Config,
     dialer: &Dialer,
     watcher: &Watcher,

@@ -8,7 +8,7 @@ use tokio::net::{TcpStream, UnixStream};
 /// A frontend connection that can be aborted: when the tunnel breaks (the
 /// agent vanished), the client must see an error rather than a clean end of
 /// stream it could mistake for a complete response.
-pub trait FrontendStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+pub(crate) trait FrontendStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     /// Arranges for the connection to end with a TCP reset when dropped.
     fn abort_on_drop(&self);
 }

@@ -15,7 +15,7 @@ use super::huffman::{self, HuffmanError};
 
 /// SETTINGS_HEADER_TABLE_SIZE's initial value (RFC 9113 §6.5.2), which the
 /// server never changes; the client's encoder may use at most this much.
-pub const DEFAULT_TABLE_SIZE: usize = 4096;
+pub(super) const DEFAULT_TABLE_SIZE: usize = 4096;
 
 /// RFC 7541 §4.1: an entry costs its name and value plus 32 bytes.
 const ENTRY_OVERHEAD: usize = 32;
@@ -87,7 +87,7 @@ const STATIC_TABLE: [(&str, &str); 61] = [
 
 /// One decoded header field.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Field {
+pub(super) struct Field {
     pub name: Bytes,
     pub value: Bytes,
     /// Sent as "never indexed" (RFC 7541 §6.2.3), e.g. a credential: an
@@ -103,7 +103,7 @@ impl Field {
 
 /// Why a header block is not valid HPACK (or is over the caller's limit).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HpackError {
+pub(super) enum HpackError {
     #[error("the header block ends inside a field")]
     Truncated,
     #[error("an integer in the header block is too large")]
@@ -123,7 +123,7 @@ pub enum HpackError {
 /// Decodes header blocks as the peer's encoder wrote them, keeping the
 /// dynamic table in step with the peer's.
 #[derive(Debug)]
-pub struct Decoder {
+pub(super) struct Decoder {
     /// Newest first: index 62 is `table[0]`.
     table: VecDeque<Field>,
     size: usize,
@@ -133,7 +133,7 @@ pub struct Decoder {
 }
 
 impl Decoder {
-    pub fn new(limit: usize) -> Decoder {
+    pub(super) fn new(limit: usize) -> Decoder {
         Decoder {
             table: VecDeque::new(),
             size: 0,
@@ -146,7 +146,7 @@ impl Decoder {
     /// list (names, values and 32 bytes a field, as HTTP/2 counts it).
     /// After an error the table is in no known state: the connection's
     /// header compression is lost, as RFC 7541 §2.3.3 says.
-    pub fn decode(&mut self, block: &[u8], list_limit: usize) -> Result<Vec<Field>, HpackError> {
+    pub(super) fn decode(&mut self, block: &[u8], list_limit: usize) -> Result<Vec<Field>, HpackError> {
         let mut input = Input(block);
         let mut fields = Vec::new();
         let mut list_size = 0;
@@ -307,7 +307,7 @@ impl Input<'_> {
 /// "without indexing" or, for a sensitive field, "never indexed": the
 /// receiver's dynamic table stays empty, so nothing the rewriter emits
 /// depends on earlier blocks.
-pub fn encode_literal(field: &Field, out: &mut BytesMut) {
+pub(super) fn encode_literal(field: &Field, out: &mut BytesMut) {
     out.put_u8(if field.sensitive { 0x10 } else { 0x00 });
     encode_string(&field.name, out);
     encode_string(&field.value, out);

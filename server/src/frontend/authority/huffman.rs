@@ -73,7 +73,7 @@ static CODE: Canonical = canonical();
 
 /// Why a Huffman-coded string is not valid HPACK.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum HuffmanError {
+pub(super) enum HuffmanError {
     #[error("a Huffman-coded string contains EOS")]
     Eos,
     #[error("a Huffman-coded string ends in padding longer than 7 bits or not all ones")]
@@ -81,7 +81,7 @@ pub enum HuffmanError {
 }
 
 /// Decodes a Huffman-coded string, appending its bytes to `out`.
-pub fn decode(input: &[u8], out: &mut Vec<u8>) -> Result<(), HuffmanError> {
+pub(super) fn decode(input: &[u8], out: &mut Vec<u8>) -> Result<(), HuffmanError> {
     let mut code: u32 = 0;
     let mut length = 0;
     for byte in input {

@@ -25,7 +25,7 @@ use std::task::{Context, Poll, ready};
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-pub use rewrite::Rewriter;
+pub(crate) use rewrite::Rewriter;
 
 /// How much the slow path reads at once (header blocks are small).
 const READ_CHUNK: usize = 8 * 1024;

@@ -47,7 +47,7 @@ const MAX_LIST: usize = 1024 * 1024;
 
 /// The rewriting state of one connection's client-to-server bytes.
 #[derive(Debug)]
-pub struct Rewriter {
+pub(crate) struct Rewriter {
     /// Bytes of the connection preface still to come.
     preface_left: usize,
     /// Bytes of a passed-through frame's payload still to come.
@@ -116,7 +116,7 @@ impl Rewriter {
     /// so far) go to h2 as they are. It stops before a header block frame
     /// and before a frame header that is not complete in `input`; those
     /// bytes are for [`Rewriter::rewrite`].
-    pub fn pass(&mut self, input: &[u8]) -> usize {
+    pub(crate) fn pass(&mut self, input: &[u8]) -> usize {
         let mut at = 0;
         loop {
             if self.standing_aside {
@@ -157,7 +157,7 @@ impl Rewriter {
     /// Moves what it can from `input` to `output`: passed-through bytes
     /// as they are, complete header blocks rewritten. What stays in `input`
     /// is the start of a frame still incomplete.
-    pub fn rewrite(&mut self, input: &mut BytesMut, output: &mut BytesMut) {
+    pub(crate) fn rewrite(&mut self, input: &mut BytesMut, output: &mut BytesMut) {
         loop {
             let passed = self.pass(input);
             output.put_slice(&input[..passed]);
