@@ -3,15 +3,13 @@
 //! fix. Our own certificate files of such a shape stop start-up with exit 2
 //! and the flag at fault.
 
-mod support;
-
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use support::certs::{CertFiles, Pki};
-use support::procs::{Proc, Server, bin};
-use support::{TempDir, free_port, wait_until};
+use crate::support::certs::{CertFiles, Pki};
+use crate::support::procs::{Proc, Server, bin};
+use crate::support::{TempDir, free_port, wait_until};
 
 /// curl presenting `client` to `https://127.0.0.1:port/`, as an OpenSSL
 /// (or Go) client would: it sends the v1 certificate without a second

@@ -3,15 +3,13 @@
 //! dials while another one is available, and connections already open on
 //! it carry on until they end.
 
-mod support;
-
 use std::time::Duration;
 
-use support::cluster::Setup;
-use support::connect::via_uds;
-use support::scrape::{http_get, metric};
-use support::targets::{self, pattern_digest};
-use support::wait_until;
+use crate::support::cluster::Setup;
+use crate::support::connect::via_uds;
+use crate::support::scrape::{http_get, metric};
+use crate::support::targets::{self, pattern_digest};
+use crate::support::wait_until;
 
 const OPEN_ENDPOINTS: &str = "konnectivity_network_proxy_agent_open_endpoint_connections";
 const DIALS: &str = "konnectivity_network_proxy_agent_dial_duration_seconds_count";

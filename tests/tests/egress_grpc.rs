@@ -1,17 +1,15 @@
 //! Egress through the gRPC ProxyService frontend with the Rust tunnel client
 //! (konnectivity-client); other people's clients are in grpc_clients.rs.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::TempDir;
+use crate::support::certs::Pki;
+use crate::support::cluster::{Setup, unanswering_listener};
+use crate::support::procs::Server;
+use crate::support::scrape::metric;
+use crate::support::targets::{self, pattern_digest};
 use konnectivity_client::{DialError, Tunnel, TunnelStream};
-use support::TempDir;
-use support::certs::Pki;
-use support::cluster::{Setup, unanswering_listener};
-use support::procs::Server;
-use support::scrape::metric;
-use support::targets::{self, pattern_digest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const GIB: u64 = 1024 * 1024 * 1024;
@@ -57,7 +55,7 @@ async fn one_gib_each_way_over_grpc_on_mtls_tcp() {
 async fn echo_round_trip(mut stream: TunnelStream, seed: u64) -> std::io::Result<()> {
     targets::start_echo(&mut stream).await?;
     let mut payload = vec![0u8; 16 * 1024];
-    support::Pattern::new(seed).fill(&mut payload);
+    crate::support::Pattern::new(seed).fill(&mut payload);
     stream.write_all(&payload).await?;
     let mut echoed = vec![0u8; payload.len()];
     stream.read_exact(&mut echoed).await?;
@@ -111,7 +109,7 @@ async fn a_thousand_concurrent_dials_over_one_connection_then_nothing_is_left_be
 
     // The first two thousands grow the allocator's and runtime's reusable
     // pools and make the baseline; the next two must come back to it.
-    let mut baseline: Option<support::cluster::Resources> = None;
+    let mut baseline: Option<crate::support::cluster::Resources> = None;
     for round in 0..4u64 {
         let mut tasks = Vec::new();
         for seed in 1..=1000u64 {

@@ -2,17 +2,15 @@
 //! binaries: curl and a kube-apiserver-like client, over mTLS TCP and over
 //! the Unix socket; bulk and concurrent transfers; every error path.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::certs::Pki;
-use support::cluster::{Setup, unanswering_listener};
-use support::connect::{via_tls, via_uds};
-use support::procs::Server;
-use support::scrape::metric;
-use support::targets::{self, pattern_digest};
-use support::{TempDir, wait_until};
+use crate::support::certs::Pki;
+use crate::support::cluster::{Setup, unanswering_listener};
+use crate::support::connect::{via_tls, via_uds};
+use crate::support::procs::Server;
+use crate::support::scrape::metric;
+use crate::support::targets::{self, pattern_digest};
+use crate::support::{TempDir, wait_until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const GIB: u64 = 1024 * 1024 * 1024;
@@ -79,8 +77,8 @@ async fn curl_fetches_a_page_through_the_unix_socket_frontend() {
     // curl cannot send CONNECT over a Unix socket itself (--unix-socket turns
     // its proxy support off), so socat carries curl's proxy connection onto
     // the socket byte for byte, as a sidecar sharing the socket would.
-    let bridge_port = support::free_port();
-    let _bridge = support::procs::Proc::spawn_program(
+    let bridge_port = crate::support::free_port();
+    let _bridge = crate::support::procs::Proc::spawn_program(
         "socat",
         &[
             format!("TCP-LISTEN:{bridge_port},bind=127.0.0.1,reuseaddr,fork"),
@@ -140,7 +138,7 @@ async fn five_hundred_concurrent_tunnels_each_exchange_their_own_bytes() {
                 .map_err(|r| std::io::Error::other(format!("CONNECT refused: {} {}", r.status, r.body)))?;
             targets::start_echo(&mut tunnel).await?;
             let mut payload = vec![0u8; 32 * 1024];
-            support::Pattern::new(i).fill(&mut payload);
+            crate::support::Pattern::new(i).fill(&mut payload);
             let (mut read, mut write) = tokio::io::split(tunnel);
             let writer = async {
                 write.write_all(&payload).await?;
@@ -172,7 +170,7 @@ async fn without_agents_connect_answers_500() {
         .expect_err("no agent, no tunnel");
     assert_eq!(refused.status, 500, "{refused:?}");
     assert!(refused.body.contains("No agent available"), "{refused:?}");
-    let (status, body) = support::scrape::http_get(server.health_port, "/readyz")
+    let (status, body) = crate::support::scrape::http_get(server.health_port, "/readyz")
         .await
         .unwrap();
     assert_eq!(status, 500, "{body}");
@@ -290,7 +288,7 @@ async fn agent_streams_without_agentid_are_refused() {
     let pki = Pki::new(dir.path());
     let server = Server::start(dir.path(), &pki, "http-connect", false, &[]).await;
     let tls = pki.client_tls(Some(&pki.agent), &[b"h2"]);
-    let mut client = support::grpc::agent_client(server.agent_port, tls).await;
+    let mut client = crate::support::grpc::agent_client(server.agent_port, tls).await;
     let status = client
         .connect(tokio_stream::pending::<konnectivity_proto::Packet>())
         .await
@@ -518,7 +516,7 @@ async fn proxy_test_client_fetches_and_tells_the_status_line_from_the_servers_wo
     let setup = setup(true, &[]).await;
     let page = targets::http("through the tunnel").await;
     let client = |port: u16| {
-        std::process::Command::new(support::procs::bin("proxy-test-client"))
+        std::process::Command::new(crate::support::procs::bin("proxy-test-client"))
             .args(["--mode=http-connect", "--request-host=127.0.0.1"])
             .arg(format!("--proxy-uds={}", setup.server.uds_path().display()))
             .arg(format!("--request-port={port}"))
@@ -529,7 +527,7 @@ async fn proxy_test_client_fetches_and_tells_the_status_line_from_the_servers_wo
     assert!(fetched.status.success(), "{fetched:?}");
     assert!(String::from_utf8_lossy(&fetched.stdout).ends_with("through the tunnel"));
 
-    let closed_port = support::free_port();
+    let closed_port = crate::support::free_port();
     let refused = client(closed_port);
     assert!(!refused.status.success());
     let stderr = String::from_utf8_lossy(&refused.stderr);

@@ -3,13 +3,11 @@
 //! an error, every affected connection ends within a bounded time, and the
 //! processes return to their baseline of open files and tasks.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::cluster::Setup;
-use support::connect::via_uds;
-use support::targets::{self, pattern_digest};
+use crate::support::cluster::Setup;
+use crate::support::connect::via_uds;
+use crate::support::targets::{self, pattern_digest};
 use tokio::io::AsyncWriteExt;
 
 const MIB: u64 = 1024 * 1024;
@@ -135,11 +133,11 @@ async fn a_server_killed_mid_transfer_fails_it_cleanly_and_a_restarted_one_serve
     );
 
     // The agent closes the endpoint connection the dead stream carried.
-    support::wait_until(
+    crate::support::wait_until(
         Duration::from_secs(10),
         "the agent to release its endpoint",
         || async {
-            support::scrape::metric(
+            crate::support::scrape::metric(
                 setup.agent.health_port,
                 "konnectivity_network_proxy_agent_open_endpoint_connections",
             )

@@ -1,10 +1,8 @@
 //! Bad or conflicting flags: exit status 2 and a message naming the flag.
 
-mod support;
-
 use std::process::Command;
 
-use support::procs::bin;
+use crate::support::procs::bin;
 
 /// Runs a binary with `args`; its exit code and standard error.
 fn run(binary: &str, args: &[&str]) -> (Option<i32>, String) {
@@ -213,13 +211,13 @@ fn konnectivity_cni_run_by_hand_says_what_it_is() {
 
 #[test]
 fn a_missing_socket_directory_stops_start_up_with_one_line_naming_the_flag() {
-    let pki_dir = support::TempDir::new("konn-flags");
-    let pki = support::certs::Pki::new(pki_dir.path());
+    let pki_dir = crate::support::TempDir::new("konn-flags");
+    let pki = crate::support::certs::Pki::new(pki_dir.path());
     let args = [
         "--uds-name=/nonexistent-konnectivity/konnectivity-server.socket".to_owned(),
         "--server-port=0".to_owned(),
-        format!("--agent-port={}", support::free_port()),
-        format!("--health-port={}", support::free_port()),
+        format!("--agent-port={}", crate::support::free_port()),
+        format!("--health-port={}", crate::support::free_port()),
         format!("--cluster-cert={}", pki.server.cert.display()),
         format!("--cluster-key={}", pki.server.key.display()),
     ];

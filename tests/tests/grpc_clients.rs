@@ -8,19 +8,17 @@
 //! by older ones; gRPC core sends the percent-encoded path too. Each must
 //! dial, carry data both ways and close. TCP listeners keep h2's checks.
 
-mod support;
-
 use std::path::Path;
 
+use crate::support::TempDir;
+use crate::support::certs::Pki;
+use crate::support::cluster::Setup;
+use crate::support::foreign::{grpc_go_client, python_with_grpcio, repo, run_client};
+use crate::support::h2_raw::{self, Answer, PROTOCOL_ERROR};
+use crate::support::procs::{Agent, Server};
+use crate::support::targets;
+use crate::support::{free_port, wait_until};
 use konnectivity_proto::wire::packet::Payload;
-use support::TempDir;
-use support::certs::Pki;
-use support::cluster::Setup;
-use support::foreign::{grpc_go_client, python_with_grpcio, repo, run_client};
-use support::h2_raw::{self, Answer, PROTOCOL_ERROR};
-use support::procs::{Agent, Server};
-use support::targets;
-use support::{free_port, wait_until};
 
 /// What grpc-go sends as `:authority` for a socket path target since it
 /// percent-encodes it (every release kube-apiserver vendors today).
@@ -267,7 +265,7 @@ async fn python_grpcio_dials_through_the_node_frontend_with_its_usual_authority(
         std::time::Duration::from_secs(10),
         "the control-plane agent's endpoint connections to close",
         || async move {
-            support::scrape::metric(
+            crate::support::scrape::metric(
                 agent_port,
                 "konnectivity_network_proxy_agent_open_endpoint_connections",
             )

@@ -3,18 +3,16 @@
 //! it holds one stream to each distinct `serverid`, so every server (each
 //! beside its own kube-apiserver) can reach the cluster.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::TempDir;
-use support::certs::Pki;
-use support::connect::via_uds;
-use support::procs::{Agent, Server};
-use support::scrape::metric;
-use support::{targets, wait_until};
+use crate::support::TempDir;
+use crate::support::certs::Pki;
+use crate::support::connect::via_uds;
+use crate::support::procs::{Agent, Server};
+use crate::support::scrape::metric;
+use crate::support::{targets, wait_until};
 use tokio::net::{TcpListener, TcpStream};
 
 const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connections";

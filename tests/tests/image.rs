@@ -3,19 +3,17 @@
 //! scenarios run from the image too (`from_the_image_*` in node_capture.rs
 //! and pod_capture.rs); here the image's contents and its egress path.
 
-mod support;
-
 use std::path::Path;
 
+use crate::support::TempDir;
+use crate::support::certs::Pki;
+use crate::support::cluster::Setup;
+use crate::support::connect::via_uds;
+use crate::support::image::Binaries;
+use crate::support::netns::root_or_skip;
+use crate::support::procs::{Agent, Server};
+use crate::support::targets::{self, pattern_digest};
 use konnectivity_client::Tunnel;
-use support::TempDir;
-use support::certs::Pki;
-use support::cluster::Setup;
-use support::connect::via_uds;
-use support::image::Binaries;
-use support::netns::root_or_skip;
-use support::procs::{Agent, Server};
-use support::targets::{self, pattern_digest};
 
 const MIB: u64 = 1024 * 1024;
 

@@ -2,20 +2,18 @@
 //! answering (frozen, or its host gone without a FIN) and drops its stream,
 //! instead of choosing it for dials that would hang.
 
-mod support;
-
 use std::time::Duration;
 
-use support::procs::{Agent, Server};
-use support::scrape::metric;
-use support::{TempDir, wait_until};
+use crate::support::procs::{Agent, Server};
+use crate::support::scrape::metric;
+use crate::support::{TempDir, wait_until};
 
 const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connections";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_agent_is_dropped_by_keepalive_and_reconnects_when_it_thaws() {
     let dir = TempDir::new("konn-keepalive");
-    let pki = support::certs::Pki::new(dir.path());
+    let pki = crate::support::certs::Pki::new(dir.path());
     let server = Server::start(dir.path(), &pki, "grpc", true, &["--keepalive-time=1s".into()]).await;
     let agent = Agent::start(dir.path(), &pki, server.agent_port, "agent-1", &[]);
     server.wait_backends(1).await;
@@ -32,7 +30,7 @@ async fn a_frozen_agent_is_dropped_by_keepalive_and_reconnects_when_it_thaws() {
         || async move { metric(port, CONNECTED).await == Some(0.0) },
     )
     .await;
-    let (status, _) = support::scrape::http_get(port, "/readyz").await.unwrap();
+    let (status, _) = crate::support::scrape::http_get(port, "/readyz").await.unwrap();
     assert_eq!(status, 500, "no agent left to choose");
 
     agent.proc.signal("CONT");

@@ -1,12 +1,10 @@
 //! Limits: a request over one is refused on its own, with a status naming
 //! the limit and a metric, while the connections already open carry on.
 
-mod support;
-
-use support::cluster::Setup;
-use support::connect::{Refused, via_uds};
-use support::scrape::metric;
-use support::targets;
+use crate::support::cluster::Setup;
+use crate::support::connect::{Refused, via_uds};
+use crate::support::scrape::metric;
+use crate::support::targets;
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
@@ -66,7 +64,7 @@ async fn a_frontend_over_its_tunnel_limit_refuses_one_request_with_503() {
     // A slot comes back when its tunnel ends.
     first.shutdown().await.unwrap();
     drop(first);
-    support::wait_until(std::time::Duration::from_secs(5), "a free slot", || async {
+    crate::support::wait_until(std::time::Duration::from_secs(5), "a free slot", || async {
         match open(&setup, &target).await {
             Ok(mut third) => {
                 still_works(&mut third, 3).await;

@@ -3,13 +3,11 @@
 //! are), one JSON object per line with `--logging-format=json`, and a peer's
 //! clean stop logged as the normal event it is, not as a warning.
 
-mod support;
-
 use std::time::Duration;
 
-use support::cluster::Setup;
-use support::procs::Proc;
-use support::wait_until;
+use crate::support::cluster::Setup;
+use crate::support::procs::Proc;
+use crate::support::wait_until;
 
 /// klog's header: severity, MMDD, time with microseconds, pid, file:line.
 fn is_klog_line(line: &str) -> bool {
@@ -154,9 +152,9 @@ fn lines_with(proc: &Proc, msg: &str, key: &str, value: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_tunnel_is_logged_at_v2_on_both_sides_with_the_ids_that_tie_them() {
-    use support::connect::via_tls;
-    use support::scrape::metric;
-    use support::targets;
+    use crate::support::connect::via_tls;
+    use crate::support::scrape::metric;
+    use crate::support::targets;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     let verbose = vec!["-v=2".to_owned()];
@@ -180,7 +178,7 @@ async fn every_tunnel_is_logged_at_v2_on_both_sides_with_the_ids_that_tie_them()
     targets::expect_reset(&mut client, 1000, 7).await;
     drop(client);
     // A dial the agent cannot make.
-    let closed_port = support::free_port();
+    let closed_port = crate::support::free_port();
     let refused = via_tls(port, tls, &format!("127.0.0.1:{closed_port}"))
         .await
         .unwrap();

@@ -5,16 +5,14 @@
 //! socket paths, agent ids, token audiences, probes), so manifests and
 //! binaries cannot drift apart unnoticed.
 
-mod support;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::support::TempDir;
 use clap::Parser;
 use serde::Deserialize;
 use serde_json::Value;
-use support::TempDir;
 
 /// The oldest Kubernetes version the manifests are validated against.
 const KUBERNETES_VERSION: &str = "1.31.0";

@@ -4,16 +4,14 @@
 //! label keys, compared with upstream v0.36.0's metrics code, so dashboards,
 //! alerts and upstream's own tests keep working after the swap.
 
-mod support;
-
 use std::collections::BTreeSet;
 
+use crate::support::cluster::{Setup, unanswering_listener};
+use crate::support::connect::via_uds;
+use crate::support::foreign::go_metric_parser;
+use crate::support::scrape::{http_get, sample};
+use crate::support::targets;
 use serde_json::Value;
-use support::cluster::{Setup, unanswering_listener};
-use support::connect::via_uds;
-use support::foreign::go_metric_parser;
-use support::scrape::{http_get, sample};
-use support::targets;
 
 async fn scrape(port: u16) -> String {
     let (status, body) = http_get(port, "/metrics").await.unwrap();

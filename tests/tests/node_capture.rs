@@ -7,13 +7,11 @@
 //!   (no route to 10.222.1.10)                   nginx "kube-apiserver" on 10.222.1.10:6443 (lo)
 //! ```
 
-mod support;
-
 use std::time::Duration;
 
-use support::image::Binaries;
-use support::kas::*;
-use support::netns::root_or_skip;
+use crate::support::image::Binaries;
+use crate::support::kas::*;
+use crate::support::netns::root_or_skip;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_processes_reach_the_private_api_server_through_the_vip() {
@@ -200,7 +198,7 @@ async fn node_readiness_follows_the_node_tunnel() {
     assert!(cut.status.success(), "{}", text(&cut));
     let node = &topology.node;
     let started = std::time::Instant::now();
-    support::wait_until(READINESS_BOUND, "/readyz to turn 503", || async {
+    crate::support::wait_until(READINESS_BOUND, "/readyz to turn 503", || async {
         node.http_get(NODE_AGENT_HEALTH, "/readyz").0 == 503
     })
     .await;
@@ -213,7 +211,7 @@ async fn node_readiness_follows_the_node_tunnel() {
     let restored = node.sh("nft delete table inet cut");
     assert!(restored.status.success(), "{}", text(&restored));
     let started = std::time::Instant::now();
-    support::wait_until(READINESS_BOUND, "/readyz to turn 200 again", || async {
+    crate::support::wait_until(READINESS_BOUND, "/readyz to turn 200 again", || async {
         node.http_get(NODE_AGENT_HEALTH, "/readyz").0 == 200
     })
     .await;

@@ -2,16 +2,14 @@
 //! allowed API server destinations, only through control-plane agents, and
 //! control-plane agents never carry ordinary egress.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::certs::Pki;
+use crate::support::procs::{Agent, Server};
+use crate::support::scrape::metric;
+use crate::support::targets::{self, Target};
+use crate::support::{TempDir, free_port, wait_until};
 use konnectivity_client::{DialError, Tunnel};
-use support::certs::Pki;
-use support::procs::{Agent, Server};
-use support::scrape::metric;
-use support::targets::{self, Target};
-use support::{TempDir, free_port, wait_until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const CONTROL_PLANE_ID: &str = "cp-1";
@@ -74,7 +72,7 @@ async fn setup() -> NodeSetup {
 }
 
 impl NodeSetup {
-    async fn node_tunnel(&self, identity: &support::certs::CertFiles) -> Tunnel {
+    async fn node_tunnel(&self, identity: &crate::support::certs::CertFiles) -> Tunnel {
         let tls = self.pki.client_tls(Some(identity), &[]);
         Tunnel::connect_tls("localhost", self.node_port, tls)
             .await

@@ -5,16 +5,14 @@
 //! or wrong bytes, stop counting the agent as ready, and take the agent back
 //! once the link returns, with nothing left behind on either side.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::certs::Pki;
-use support::cluster::{memory_back_to, open_fds, rss_kib, settled_fds};
-use support::connect::via_uds;
-use support::netns::{Netns, link, root_or_skip};
-use support::targets::{self, pattern_digest};
-use support::{TempDir, wait_until};
+use crate::support::certs::Pki;
+use crate::support::cluster::{memory_back_to, open_fds, rss_kib, settled_fds};
+use crate::support::connect::via_uds;
+use crate::support::netns::{Netns, link, root_or_skip};
+use crate::support::targets::{self, pattern_digest};
+use crate::support::{TempDir, wait_until};
 
 const SERVER_IP: &str = "10.222.0.2";
 const NODE_IP: &str = "10.222.0.1";
@@ -182,7 +180,7 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
         (back, (endpoints, now_fds, now_memory))
     };
     let (endpoints, now_fds, now_memory) =
-        support::wait_until_or_last(Duration::from_secs(15), current).await;
+        crate::support::wait_until_or_last(Duration::from_secs(15), current).await;
     eprintln!("memory (server, agent) before {memory:?} KiB, after {now_memory:?} KiB");
     assert_eq!(endpoints, Some(0.0), "the agent's endpoint connections");
     assert_eq!(now_fds, fds, "(server, agent) descriptors");

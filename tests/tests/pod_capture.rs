@@ -6,17 +6,15 @@
 //! binaries and again with the image's (install-cni, the plugin it copies,
 //! proxy-server and both agents).
 
-mod support;
-
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use crate::support::image::Binaries;
+use crate::support::kas::*;
+use crate::support::netns::{Netns, root_or_skip};
 use serde_json::{Value, json};
-use support::image::Binaries;
-use support::kas::*;
-use support::netns::{Netns, root_or_skip};
 
 /// A container runtime's view of one network: the conflist's plugins run in
 /// order for ADD and in reverse for DEL, each given the previous result,
@@ -361,7 +359,7 @@ async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
 
     let _agent = topology.start_node_agent(&agent_args);
     topology.wait_node_ready().await;
-    support::wait_until(
+    crate::support::wait_until(
         Duration::from_secs(10),
         "the running pod's own requests to get through",
         || async {
@@ -391,7 +389,7 @@ async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
     // chain (the primary CNI had rewritten its file): the runtime's cache
     // names it once its ADD is done, and the agent's re-check captures it.
     let (_late_pod, _late_client, late_answers, _) = start_pod("pod-late", "default");
-    support::wait_until(
+    crate::support::wait_until(
         Duration::from_secs(15),
         "the late pod to be captured by the re-check",
         || async {
@@ -418,7 +416,7 @@ async fn pods_that_ran_before_the_agent_are_captured_when_it_starts() {
     // The pod goes away: its namespace is forgotten, its record removed.
     drop(client);
     drop(pod);
-    support::wait_until(
+    crate::support::wait_until(
         Duration::from_secs(10),
         "the gone pod's record to be removed",
         || async { !state.exists() },

@@ -1,13 +1,11 @@
 //! `--graceful-shutdown-timeout`: on SIGTERM the server stops accepting,
 //! lets open tunnels finish, and exits when they have, or at the deadline.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
-use support::cluster::Setup;
-use support::connect::via_uds;
-use support::targets;
+use crate::support::cluster::Setup;
+use crate::support::connect::via_uds;
+use crate::support::targets;
 use tokio::io::AsyncReadExt;
 
 async fn start(timeout: &str) -> (Setup, targets::Target) {

@@ -7,15 +7,13 @@
 //! zero, and the server and the surviving agent back at their descriptors
 //! and tasks, with memory bounded.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::cluster::Setup;
-use support::connect::via_uds;
-use support::targets::{self, pattern_digest};
+use crate::support::cluster::Setup;
+use crate::support::connect::via_uds;
+use crate::support::targets::{self, pattern_digest};
 use tokio::io::AsyncReadExt;
 
 const CLIENTS: u64 = 8;
@@ -246,7 +244,7 @@ async fn soak_with_agent_restarts_corrupts_nothing_and_leaks_nothing() {
         (now.agent_rss_kib, baseline.agent_rss_kib, "agent"),
     ] {
         assert!(
-            support::cluster::memory_within(after, before, 25),
+            crate::support::cluster::memory_within(after, before, 25),
             "{who} resident memory {after} KiB after the soak, more than 25% above the {before} KiB after the warm-up"
         );
     }

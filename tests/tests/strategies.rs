@@ -2,14 +2,12 @@
 //! reaches is read off each agent's own dial counter. Targets listen on
 //! distinct loopback addresses so that each agent's identifiers can name one.
 
-mod support;
-
-use support::TempDir;
-use support::certs::Pki;
-use support::connect::via_uds;
-use support::procs::{Agent, Server};
-use support::scrape::metric;
-use support::targets::{self, Target};
+use crate::support::TempDir;
+use crate::support::certs::Pki;
+use crate::support::connect::via_uds;
+use crate::support::procs::{Agent, Server};
+use crate::support::scrape::metric;
+use crate::support::targets::{self, Target};
 
 const DIALS: &str = "konnectivity_network_proxy_agent_dial_duration_seconds_count";
 
@@ -157,7 +155,7 @@ async fn the_order_of_strategies_decides_default_route_first_then_dest_host() {
 }
 
 async fn readyz(fleet: &Fleet) -> (u16, String) {
-    support::scrape::http_get(fleet.server.health_port, "/readyz")
+    crate::support::scrape::http_get(fleet.server.health_port, "/readyz")
         .await
         .unwrap()
 }

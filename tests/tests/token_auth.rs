@@ -2,18 +2,16 @@
 //! certificate: proxy-server asks a stand-in kube-apiserver (HTTPS,
 //! `authentication.k8s.io/v1` TokenReview) whose token an agent sent.
 
-mod support;
-
 use std::path::Path;
 use std::time::Duration;
 
-use support::TempDir;
-use support::certs::Pki;
-use support::connect::via_uds;
-use support::procs::{Agent, Server};
-use support::scrape::metric;
-use support::targets;
-use support::token_review::TokenReviewer;
+use crate::support::TempDir;
+use crate::support::certs::Pki;
+use crate::support::connect::via_uds;
+use crate::support::procs::{Agent, Server};
+use crate::support::scrape::metric;
+use crate::support::targets;
+use crate::support::token_review::TokenReviewer;
 use tonic::metadata::MetadataValue;
 
 const AUDIENCE: &str = "system:konnectivity-server";
@@ -58,7 +56,8 @@ async fn start(dir: &Path, pki: &Pki) -> (TokenReviewer, Server) {
 /// Plays an agent with `token` (none when `None`) and returns how the
 /// server answered the stream.
 async fn connect_with(server: &Server, pki: &Pki, token: Option<&str>) -> Result<(), tonic::Status> {
-    let mut client = support::grpc::agent_client(server.agent_port, pki.client_tls(None, &[b"h2"])).await;
+    let mut client =
+        crate::support::grpc::agent_client(server.agent_port, pki.client_tls(None, &[b"h2"])).await;
     let mut request = tonic::Request::new(tokio_stream::pending::<konnectivity_proto::Packet>());
     request
         .metadata_mut()
@@ -156,7 +155,7 @@ async fn missing_wrong_and_forged_tokens_are_refused_with_clear_errors() {
             format!("--service-account-token-path={}", token_file.display()),
         ],
     );
-    support::wait_until(
+    crate::support::wait_until(
         Duration::from_secs(10),
         "the agent to log its refusal",
         || async { agent.proc.log_text().contains("agent token refused") },

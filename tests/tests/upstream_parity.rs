@@ -2,14 +2,12 @@
 //! Go's value forms, the way upstream's own test harness starts an external
 //! agent, and the agent's drain-then-exit signal handling.
 
-mod support;
-
 use std::time::Duration;
 
-use support::certs::Pki;
-use support::procs::Proc;
-use support::scrape::http_get;
-use support::{TempDir, free_port, wait_until};
+use crate::support::certs::Pki;
+use crate::support::procs::Proc;
+use crate::support::scrape::http_get;
+use crate::support::{TempDir, free_port, wait_until};
 
 fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
@@ -165,7 +163,7 @@ async fn every_upstream_flag_at_its_default_comes_up_healthy_without_warnings() 
     })
     .await;
     assert_eq!(status(server_health, "/readyz").await, 200);
-    let connected = support::scrape::metric(
+    let connected = crate::support::scrape::metric(
         agent_health,
         "konnectivity_network_proxy_agent_open_server_connections",
     )
@@ -208,7 +206,7 @@ async fn an_inert_flag_set_to_a_non_default_value_is_named_in_a_warning() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_sigterm_drains_the_agent_and_the_second_exits() {
-    let setup = support::cluster::Setup::start("grpc", true, &[]).await;
+    let setup = crate::support::cluster::Setup::start("grpc", true, &[]).await;
     let mut agent = setup.agent;
     let health = agent.health_port;
     assert_eq!(status(health, "/readyz").await, 200);
@@ -227,7 +225,7 @@ async fn first_sigterm_drains_the_agent_and_the_second_exits() {
         "exited on the first signal"
     );
     // The server saw the DRAIN; with no other agent it still falls back to this one.
-    let target = support::targets::http("still served while draining\n").await;
+    let target = crate::support::targets::http("still served while draining\n").await;
     let tunnel = konnectivity_client::Tunnel::connect_uds(setup.server.uds_path())
         .await
         .unwrap();
