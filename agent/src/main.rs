@@ -14,20 +14,9 @@ fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let config = match Config::from_args(&args) {
-        Ok(config) => config,
-        Err(error) => {
-            eprintln!("proxy-agent: {error}");
-            std::process::exit(2);
-        }
-    };
-    args.klog.init_logging()?;
-    tracing::info!(?config, "effective configuration");
-    konnectivity_plumbing::klog::warn_inert(&args.inert_settings());
-    match konnectivity_plumbing::raise_open_files_limit() {
-        Ok(limit) => tracing::debug!(limit, "open files limit"),
-        Err(error) => tracing::warn!(%error, "cannot raise the open files limit"),
-    }
+    let config = Config::from_args(&args);
+    let config =
+        konnectivity_plumbing::klog::start("proxy-agent", config, &args.klog, &args.inert_settings())?;
     if !args.keepalive_time.is_zero() && args.keepalive_time < konnectivity_agent::config::MIN_KEEPALIVE {
         tracing::warn!(
             requested = ?args.keepalive_time,

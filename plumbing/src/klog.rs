@@ -103,6 +103,34 @@ impl KlogArgs {
     }
 }
 
+/// How both binaries start once their flags are parsed: the configuration,
+/// or its error on one line as `BINARY: error` with status 2, as for a bad
+/// flag; then logging as the klog flags ask, the effective configuration
+/// and the inert flags logged, and the open files limit raised to its hard
+/// limit (every tunnel is a descriptor or two).
+pub fn start<C: std::fmt::Debug, E: std::fmt::Display>(
+    binary: &str,
+    config: Result<C, E>,
+    klog: &KlogArgs,
+    inert: &[&str],
+) -> std::io::Result<C> {
+    let config = match config {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("{binary}: {error}");
+            std::process::exit(2);
+        }
+    };
+    klog.init_logging()?;
+    tracing::info!(?config, "effective configuration");
+    warn_inert(inert);
+    match crate::raise_open_files_limit() {
+        Ok(limit) => tracing::debug!(limit, "open files limit"),
+        Err(error) => tracing::warn!(%error, "cannot raise the open files limit"),
+    }
+    Ok(config)
+}
+
 /// Logs, once, each flag that was given a non-default value but has no
 /// effect yet, so nothing changes behaviour silently.
 pub fn warn_inert(flags: &[&str]) {

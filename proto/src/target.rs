@@ -10,9 +10,9 @@ use std::net::SocketAddr;
 /// agent's dial then says what is wrong with it in Go's words.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct DialTarget {
+    /// Only the text: it is split where asked (a `rfind`), so a target is no
+    /// larger than the string in every tunnel's state.
     text: String,
-    /// Index of the `:` before the port, if there is one.
-    colon: Option<usize>,
 }
 
 /// Why a target does not have the shape a dial needs.
@@ -28,9 +28,7 @@ pub enum TargetError {
 
 impl DialTarget {
     pub fn new(text: impl Into<String>) -> DialTarget {
-        let text = text.into();
-        let colon = text.rfind(':');
-        DialTarget { text, colon }
+        DialTarget { text: text.into() }
     }
 
     /// Parses a target that must be well formed, as an HTTP CONNECT request's
@@ -56,8 +54,7 @@ impl DialTarget {
 
     /// Host and port text, split at the last `:`, the host as written.
     fn raw_parts(&self) -> Option<(&str, &str)> {
-        self.colon
-            .map(|colon| (&self.text[..colon], &self.text[colon + 1..]))
+        self.text.rsplit_once(':')
     }
 
     /// The host without an IPv6 literal's brackets; the whole text when

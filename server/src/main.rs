@@ -6,20 +6,9 @@ static ALLOCATOR: konnectivity_plumbing::runtime::Allocator = konnectivity_plumb
 
 fn main() -> anyhow::Result<()> {
     let args: Args = konnectivity_plumbing::flags::parse_or_exit();
-    let config = match Config::from_args(&args) {
-        Ok(config) => config,
-        Err(error) => {
-            eprintln!("proxy-server: {error}");
-            std::process::exit(2);
-        }
-    };
-    args.klog.init_logging()?;
-    tracing::info!(?config, "effective configuration");
-    konnectivity_plumbing::klog::warn_inert(&args.inert_settings());
-    match konnectivity_plumbing::raise_open_files_limit() {
-        Ok(limit) => tracing::debug!(limit, "open files limit"),
-        Err(error) => tracing::warn!(%error, "cannot raise the open files limit"),
-    }
+    let config = Config::from_args(&args);
+    let config =
+        konnectivity_plumbing::klog::start("proxy-server", config, &args.klog, &args.inert_settings())?;
 
     let runtime = konnectivity_plumbing::runtime::multi_thread()?;
     let result = runtime.block_on(async {

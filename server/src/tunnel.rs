@@ -5,8 +5,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tracing::Instrument;
-
 use bytes::Bytes;
 use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
@@ -191,22 +189,21 @@ impl Dialer {
             agent_id = tracing::field::Empty,
             connect_id = tracing::field::Empty,
         );
-        let dial = async {
-            tracing::debug!(client = self.class.label(), "dial requested");
-            let in_flight = DialInFlight {
-                metrics: &self.metrics,
-                tunnel: &span,
-                armed: true,
-            };
-            match self.dial_agent(address, dial_id, &span).await {
-                Ok(connection) => {
-                    in_flight.established();
-                    Ok(connection)
-                }
-                Err(error) => Err(in_flight.failed(error)),
-            }
+        // Not `instrument`ed: the span's events here name it themselves, and
+        // an instrumented future is larger, in every idle tunnel's task.
+        span.in_scope(|| tracing::debug!(client = self.class.label(), "dial requested"));
+        let in_flight = DialInFlight {
+            metrics: &self.metrics,
+            tunnel: &span,
+            armed: true,
         };
-        dial.instrument(span.clone()).await
+        match self.dial_agent(address, dial_id, &span).await {
+            Ok(connection) => {
+                in_flight.established();
+                Ok(connection)
+            }
+            Err(error) => Err(in_flight.failed(error)),
+        }
     }
 
     async fn dial_agent(
@@ -325,11 +322,6 @@ pub struct TunnelConn {
 }
 
 impl TunnelConn {
-    /// The tunnel's span (its ids), for the frontend to run its relay in.
-    pub fn span(&self) -> tracing::Span {
-        self.life.span().clone()
-    }
-
     /// Splits into the half that sends to the agent, the half that
     /// receives from it (so both directions can run at once) and the
     /// record that says, when the frontend is done, how the tunnel ended.

@@ -7,10 +7,10 @@
 //! sends after the head is lost or buffered away from the tunnel.
 
 use std::time::{Duration, Instant};
-use tracing::Instrument;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
+use konnectivity_plumbing::lifecycle::Hold;
 use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::{DATA_CHUNK, DialId, DialTarget};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -165,8 +165,9 @@ async fn write_error<S: FrontendStream>(stream: &mut S, status: u16, message: &s
 const LINGER_BYTES: usize = 256 * 1024;
 const LINGER_TIME: Duration = Duration::from_secs(2);
 
-/// Serves one CONNECT connection from request to close.
-pub(crate) async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
+/// Serves one CONNECT connection from request to close, keeping the
+/// server's drain waiting (`_drain`) until then.
+pub(crate) async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer, _drain: Hold) {
     let _open = GaugeGuard::new(&dialer.metrics.http_connections);
     let request = match read_request(&mut stream).await {
         Ok(request) => request,
@@ -189,10 +190,7 @@ pub(crate) async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer) {
     if stream.write_all(ESTABLISHED).await.is_err() {
         return;
     }
-    let tunnel = connection.span();
-    pump(stream, connection, request.early_data, &dialer.metrics)
-        .instrument(tunnel)
-        .await;
+    pump(stream, connection, request.early_data, &dialer.metrics).await;
 }
 
 /// What an idle connection waits with: a small buffer inside its task, so
@@ -290,10 +288,14 @@ async fn pump<S: FrontendStream>(
             let _ = writer.shutdown().await;
         }
         Ok(end) => {
-            tracing::info!(
-                error = end.error(),
-                "tunnel broke; resetting the client connection"
-            );
+            // In the tunnel's span, for its ids: an instrumented pump would
+            // make every idle tunnel's task larger.
+            life.span().in_scope(|| {
+                tracing::info!(
+                    error = end.error(),
+                    "tunnel broke; resetting the client connection"
+                )
+            });
             life.end(end.tunnel_end());
             reader.unsplit(writer).abort_on_drop();
         }

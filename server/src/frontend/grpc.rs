@@ -8,7 +8,6 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
-use tracing::Instrument;
 
 use futures_util::{Stream, StreamExt};
 use konnectivity_plumbing::metrics::GaugeGuard;
@@ -193,8 +192,7 @@ impl ClientStream {
         let Some(connection) = self.dial(dialer, &address, dial_id).await else {
             return;
         };
-        let tunnel = connection.span();
-        self.relay(connection, &dialer.metrics).instrument(tunnel).await;
+        self.relay(connection, &dialer.metrics).await;
     }
 
     /// Dials while watching the client: DIAL_CLS or the stream ending cancels
@@ -244,6 +242,9 @@ impl ClientStream {
     async fn relay(&mut self, connection: TunnelConn, metrics: &ServerMetrics) {
         let connect_id = connection.connect_id;
         let (sender, mut receiver, life) = connection.split();
+        // Its events name the tunnel's span themselves: an instrumented relay
+        // would make every idle tunnel's task larger.
+        let tunnel = life.span();
         let inbound = &mut self.inbound;
         let outbound = &self.outbound;
         let to_agent = async {
@@ -263,15 +264,15 @@ impl ClientStream {
                         // else's connection: end this one instead.
                         let error =
                             format!("DATA for connectID {foreign} on the stream of connectID {connect_id}");
-                        tracing::warn!(%error, "closing frontend stream");
+                        tunnel.in_scope(|| tracing::warn!(%error, "closing frontend stream"));
                         return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
                     }
                     Some(Frame::CloseRequest { .. }) => {
                         return (RelayEnd::Close(None), TunnelEnd::ClientClosed);
                     }
-                    Some(other) => {
-                        tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream")
-                    }
+                    Some(other) => tunnel.in_scope(
+                        || tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream"),
+                    ),
                     None if inbound.failure.is_some() => {
                         return (RelayEnd::ClientGone, TunnelEnd::ClientError);
                     }

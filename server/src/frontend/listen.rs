@@ -5,7 +5,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
-use konnectivity_plumbing::lifecycle::Watcher;
+use konnectivity_plumbing::lifecycle::{Hold, Watcher};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_rustls::TlsAcceptor;
 
@@ -37,12 +37,12 @@ pub(crate) fn bind_uds(path: &Path, delete_existing: bool) -> Result<UnixListene
 }
 
 /// Accepts on a Unix socket until the drain is signalled, serving each
-/// connection with `serve`. Each connection holds a clone of `watcher` for as
-/// long as it is served, so the drain waits for its tunnel; the listening
-/// socket closes when this returns.
+/// connection on a task of its own with `serve`, which is handed a [`Hold`]
+/// to keep for as long as it serves: the drain waits for its tunnel. The
+/// listening socket closes when this returns.
 pub(crate) async fn accept_uds<F, Fut>(listener: UnixListener, watcher: Watcher, serve: F)
 where
-    F: Fn(tokio::net::UnixStream) -> Fut,
+    F: Fn(tokio::net::UnixStream, Hold) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     loop {
@@ -51,7 +51,9 @@ where
             () = watcher.signaled() => return,
         };
         match accepted {
-            Ok((stream, _)) => spawn_watched(serve(stream), &watcher),
+            Ok((stream, _)) => {
+                tokio::spawn(serve(stream, watcher.hold()));
+            }
             Err(error) => {
                 tracing::warn!(%error, "frontend accept failed");
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -68,23 +70,13 @@ pub(crate) async fn accept_tls<F, Fut>(
     watcher: Watcher,
     serve: F,
 ) where
-    F: Fn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>) -> Fut,
+    F: Fn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>, Hold) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     let stop = Some(watcher.clone());
     let mut accepted =
         konnectivity_plumbing::tls::accept_tls(listener, TlsAcceptor::from(tls), "frontend", stop);
     while let Some(stream) = accepted.recv().await {
-        spawn_watched(serve(stream), &watcher);
+        tokio::spawn(serve(stream, watcher.hold()));
     }
-}
-
-/// Serves a connection on its own task, holding the drain until it ends.
-fn spawn_watched(serving: impl std::future::Future<Output = ()> + Send + 'static, watcher: &Watcher) {
-    use futures_util::FutureExt;
-    let watcher = watcher.clone();
-    // `map`, not an async block awaiting `serving`: such a block keeps the
-    // future twice in its state, and idle CONNECT tunnels grew from 12 to
-    // 19 KiB each in hack/bench.sh.
-    tokio::spawn(serving.map(move |()| drop(watcher)));
 }

@@ -45,7 +45,7 @@ pub(crate) async fn start(
             },
         ) => {
             let listener = listen::bind_uds(path, *delete_existing)?;
-            let serve = move |stream| connect::serve(stream, dialer.clone());
+            let serve = move |stream, hold| connect::serve(stream, dialer.clone(), hold);
             tokio::spawn(async move {
                 listen::accept_uds(listener, watcher, serve).await;
                 Ok(())
@@ -61,7 +61,7 @@ pub(crate) async fn start(
         ) => {
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
             let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"], tls13_only)?;
-            let serve = move |stream| connect::serve(stream, dialer.clone());
+            let serve = move |stream, hold| connect::serve(stream, dialer.clone(), hold);
             tokio::spawn(async move {
                 listen::accept_tls(listener, Arc::new(tls), watcher, serve).await;
                 Ok(())
