@@ -22,6 +22,13 @@ use crate::tunnel::Dialer;
 use crate::{ServeError, bind_tcp, grpc_server, tls_incoming};
 use authority::TolerantAuthority;
 
+/// The frontend's listening socket, bound before anything is served.
+enum Bound {
+    Uds(tokio::net::UnixListener),
+    /// With the TLS configuration for `--mode`'s ALPN protocol.
+    Tls(tokio::net::TcpListener, Box<rustls::ServerConfig>),
+}
+
 /// What a frontend's task returns: only a gRPC server can fail once running.
 pub(crate) type FrontendTask = JoinHandle<Result<(), tonic::transport::Error>>;
 
@@ -36,61 +43,48 @@ pub(crate) async fn start(
     let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
     let keepalive = config.frontend_keepalive;
     let watcher = watcher.clone();
-    let task = match (&config.mode, &config.frontend) {
-        (
-            Mode::HttpConnect,
-            FrontendListen::Uds {
-                path,
-                delete_existing,
-            },
-        ) => {
-            let listener = listen::bind_uds(path, *delete_existing)?;
+    let bound = match &config.frontend {
+        FrontendListen::Uds {
+            path,
+            delete_existing,
+        } => Bound::Uds(listen::bind_uds(path, *delete_existing)?),
+        FrontendListen::Tcp {
+            addr,
+            identity,
+            client_ca,
+        } => {
+            let alpn: &[&[u8]] = match config.mode {
+                Mode::HttpConnect => &[b"http/1.1"],
+                Mode::Grpc => &[b"h2"],
+            };
+            let listener = bind_tcp("frontend (--server-port)", *addr).await?;
+            let tls = tls::server_config(identity, Some(client_ca), alpn, tls13_only)?;
+            Bound::Tls(listener, Box::new(tls))
+        }
+    };
+    let task = match (&config.mode, bound) {
+        (Mode::HttpConnect, Bound::Uds(listener)) => {
             let serve = move |stream, hold| connect::serve(stream, dialer.clone(), hold);
             tokio::spawn(async move {
                 listen::accept_uds(listener, watcher, serve).await;
                 Ok(())
             })
         }
-        (
-            Mode::HttpConnect,
-            FrontendListen::Tcp {
-                addr,
-                identity,
-                client_ca,
-            },
-        ) => {
-            let listener = bind_tcp("frontend (--server-port)", *addr).await?;
-            let tls = tls::server_config(identity, Some(client_ca), &[b"http/1.1"], tls13_only)?;
+        (Mode::HttpConnect, Bound::Tls(listener, tls)) => {
             let serve = move |stream, hold| connect::serve(stream, dialer.clone(), hold);
             tokio::spawn(async move {
-                listen::accept_tls(listener, Arc::new(tls), watcher, serve).await;
+                listen::accept_tls(listener, Arc::new(*tls), watcher, serve).await;
                 Ok(())
             })
         }
-        (
-            Mode::Grpc,
-            FrontendListen::Uds {
-                path,
-                delete_existing,
-            },
-        ) => {
-            let listener = listen::bind_uds(path, *delete_existing)?;
+        (Mode::Grpc, Bound::Uds(listener)) => {
             // grpc-go names the socket path as :authority; see `authority`.
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
                 .map(|stream| stream.map(TolerantAuthority::new));
             tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
         }
-        (
-            Mode::Grpc,
-            FrontendListen::Tcp {
-                addr,
-                identity,
-                client_ca,
-            },
-        ) => {
-            let listener = bind_tcp("frontend (--server-port)", *addr).await?;
-            let tls = tls::server_config(identity, Some(client_ca), &[b"h2"], tls13_only)?;
-            let incoming = tls_incoming(listener, tls, "frontend", Some(watcher.clone()));
+        (Mode::Grpc, Bound::Tls(listener, tls)) => {
+            let incoming = tls_incoming(listener, *tls, "frontend", Some(watcher.clone()));
             tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
         }
     };
