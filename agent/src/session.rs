@@ -218,12 +218,15 @@ where
         closed_tx,
     };
     // Sent once, whether the drain began before this stream or during it.
+    // One future for the whole stream, not one per packet.
+    let drain_signaled = drain.signaled();
+    tokio::pin!(drain_signaled);
     let mut drained = false;
     let reason = loop {
         let step = tokio::select! {
             Some(dialed) = dialed_rx.recv() => session.on_dialed(dialed).await,
             Some(closed) = closed_rx.recv() => session.on_endpoint_closed(closed).await,
-            () = drain.signaled(), if !drained => {
+            () = &mut drain_signaled, if !drained => {
                 drained = true;
                 session.send(Frame::Drain).await
             }
@@ -440,8 +443,7 @@ impl Session {
         tunnel.record("connect_id", tracing::field::display(connect_id));
         let bytes = Arc::new(TunnelBytes::default());
         let (read, write) = stream.into_split();
-        let (route, port) = konnectivity_mux::connection(self.flow_control);
-        let send_window = port.send_window();
+        let (route, port, send_window) = konnectivity_mux::connection(self.flow_control);
         let stream = endpoint::StreamHandle {
             connect_id,
             outbound: self.outbound.clone(),

@@ -117,7 +117,7 @@ pub fn server_stream(data: &[u8]) {
         // Two frontends wait on dials 1 and 2, which fuzzed DIAL_RSPs may answer.
         let mut frontends = Vec::new();
         for id in [1, 2] {
-            let (route, mut port) = konnectivity_mux::connection(flow_control);
+            let (route, mut port, _) = konnectivity_mux::connection(flow_control);
             backend
                 .command(Command::Dial {
                     dial_id: DialId::new(id),

@@ -15,26 +15,21 @@ use tokio::sync::mpsc;
 
 use crate::flow::{self, ReceiveCredit, ReceiveGate, Refused, SendWindow};
 
-/// Creates one connection's route and port. `flow_control`: both ends of the
-/// stream negotiated the extension ([`flow`]). `M` is what the consumer
-/// receives: DATA converts into it, and the session may send other messages
-/// (a dial's answer, why the connection closed) with [`Route::send`].
-pub fn connection<M>(flow_control: bool) -> (Route<M>, Port<M>) {
+/// Creates one connection's route, port and send window (for its producer).
+/// `flow_control`: both ends of the stream negotiated the extension
+/// ([`flow`]). `M` is what the consumer receives: DATA converts into it, and
+/// the session may send other messages (a dial's answer, why the connection
+/// closed) with [`Route::send`].
+pub fn connection<M>(flow_control: bool) -> (Route<M>, Port<M>, SendWindow) {
     let (to_consumer, from_stream) = mpsc::unbounded_channel();
     let (gate, credit) = flow::receive_window(flow_control);
     let window = SendWindow::new(flow_control);
-    (
-        Route {
-            to_consumer,
-            gate,
-            window: window.clone(),
-        },
-        Port {
-            from_stream,
-            credit,
-            window,
-        },
-    )
+    let route = Route {
+        to_consumer,
+        gate,
+        window: window.clone(),
+    };
+    (route, Port { from_stream, credit }, window)
 }
 
 /// The session's end of a connection. Dropping it ends the connection for
@@ -69,7 +64,6 @@ impl<M> Drop for Route<M> {
 pub struct Port<M> {
     from_stream: mpsc::UnboundedReceiver<M>,
     credit: ReceiveCredit,
-    window: SendWindow,
 }
 
 impl<M> Port<M> {
@@ -83,11 +77,6 @@ impl<M> Port<M> {
     /// a WINDOW_UPDATE, once enough has gathered.
     pub fn written(&mut self, len: usize) -> Option<u32> {
         self.credit.consumed(len)
-    }
-
-    /// The window the connection's producer sends its DATA through.
-    pub fn send_window(&self) -> SendWindow {
-        self.window.clone()
     }
 }
 
@@ -212,7 +201,7 @@ mod tests {
     #[tokio::test]
     async fn data_reaches_the_consumer_and_credit_returns_in_batches() {
         let mut table: Connections<Bytes, ()> = Connections::default();
-        let (route, mut port) = connection(true);
+        let (route, mut port, _) = connection(true);
         table.insert(id(1), route, ());
         let mut returned = 0u64;
         for _ in 0..64 {
@@ -233,7 +222,7 @@ mod tests {
             table.deliver(id(9), Bytes::from_static(b"x"), || ()).await,
             Delivery::Unknown
         ));
-        let (route, port) = connection(true);
+        let (route, port, _) = connection(true);
         table.insert(id(1), route, ());
         drop(port);
         assert!(matches!(
@@ -246,7 +235,7 @@ mod tests {
     #[tokio::test]
     async fn an_overrun_takes_the_connection_out_of_the_table() {
         let mut table: Connections<Bytes, &str> = Connections::default();
-        let (route, _port) = connection(true);
+        let (route, _port, _) = connection(true);
         table.insert(id(1), route, "state");
         let fits = WINDOW as usize / cost(65536) as usize;
         for _ in 0..fits {
@@ -268,7 +257,7 @@ mod tests {
     #[tokio::test]
     async fn an_upstream_peer_waits_for_a_full_consumer_under_the_hook() {
         let mut table: Connections<Bytes, ()> = Connections::default();
-        let (route, mut port) = connection(false);
+        let (route, mut port, _) = connection(false);
         table.insert(id(1), route, ());
         let blocked = Arc::new(AtomicUsize::new(0));
         struct Held(Arc<AtomicUsize>);
@@ -318,8 +307,7 @@ mod tests {
     #[tokio::test]
     async fn ending_a_connection_wakes_its_producer() {
         let mut table: Connections<Bytes, ()> = Connections::default();
-        let (route, port) = connection(true);
-        let window = port.send_window();
+        let (route, _port, window) = connection(true);
         table.insert(id(1), route, ());
         window.reserve(WINDOW as usize - 64).await.unwrap();
         let waiting = tokio::spawn(async move { window.reserve(1).await });
@@ -331,8 +319,7 @@ mod tests {
     #[tokio::test]
     async fn grants_reach_the_send_window_of_that_connection_only() {
         let mut table: Connections<Bytes, ()> = Connections::default();
-        let (route, port) = connection(true);
-        let window = port.send_window();
+        let (route, _port, window) = connection(true);
         table.insert(id(1), route, ());
         window.reserve(WINDOW as usize - 64).await.unwrap();
         table.grant(id(2), WINDOW);

@@ -108,13 +108,17 @@ impl Watcher {
     /// in its state: a watcher in every idle tunnel's task cost 1 KiB each
     /// in hack/bench.sh.
     pub fn hold(&self) -> Hold {
-        Hold(self._alive.clone())
+        Hold {
+            _alive: self._alive.clone(),
+        }
     }
 }
 
 /// Keeps the drain waiting while it lives; see [`Watcher::hold`].
 #[derive(Debug)]
-pub struct Hold(#[allow(dead_code)] mpsc::Sender<Infallible>);
+pub struct Hold {
+    _alive: mpsc::Sender<Infallible>,
+}
 
 #[cfg(test)]
 mod tests {

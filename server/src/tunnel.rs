@@ -133,9 +133,8 @@ impl DialInFlight<'_> {
     /// The dial failed: count and log how.
     fn failed(mut self, error: DialError) -> DialError {
         self.armed = false;
-        let text = error.to_string();
         let ended = &self.metrics.tunnels_ended;
-        ended.before_established(self.tunnel, error.end(), Some(&text));
+        ended.before_established(self.tunnel, error.end(), Some(&error));
         error
     }
 
@@ -234,8 +233,7 @@ impl Dialer {
             self.metrics.dial_failed(DialFailure::NoAgent);
             return Err(DialError::NoBackend);
         };
-        let (route, mut port) = konnectivity_mux::connection(backend.flow_control);
-        let send_window = port.send_window();
+        let (route, mut port, send_window) = konnectivity_mux::connection(backend.flow_control);
         backend
             .command(Command::Dial {
                 dial_id,

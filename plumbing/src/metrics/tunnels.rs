@@ -42,10 +42,16 @@ impl TunnelsEnded {
     }
 
     /// A tunnel ended before it was established: counted, and logged in its
-    /// span with the error, if there was one.
-    pub fn before_established(&self, tunnel: &tracing::Span, reason: impl EndReason, error: Option<&str>) {
+    /// span with the error, if there was one (formatted only if logged).
+    pub fn before_established(
+        &self,
+        tunnel: &tracing::Span,
+        reason: impl EndReason,
+        error: Option<&dyn std::fmt::Display>,
+    ) {
         self.count(reason);
         tunnel.in_scope(|| {
+            let error = error.map(tracing::field::display);
             tracing::debug!(
                 reason = reason.label(),
                 error,
@@ -167,7 +173,7 @@ mod tests {
         let mut registry = Registry::default();
         let ended = TunnelsEnded::register(&mut registry);
         let reason = |label| ended.0.get_or_create(&vec![("reason", label)]).get();
-        ended.before_established(&tracing::Span::none(), End::Early, Some("refused"));
+        ended.before_established(&tracing::Span::none(), End::Early, Some(&"refused"));
         let record = ended.established(tracing::Span::none(), Arc::default(), End::Early);
         assert_eq!(
             (reason("early"), reason("late")),

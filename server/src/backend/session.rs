@@ -280,7 +280,7 @@ mod tests {
             metrics.clone(),
         ));
 
-        let (route, mut frontend) = konnectivity_mux::connection(false);
+        let (route, mut frontend, _) = konnectivity_mux::connection(false);
         let dial_id = DialId::new(7);
         backend
             .command(Command::Dial {

@@ -45,10 +45,12 @@ where
     F: Fn(tokio::net::UnixStream, Hold) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let stopped = watcher.signaled();
+    tokio::pin!(stopped);
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
-            () = watcher.signaled() => return,
+            () = &mut stopped => return,
         };
         match accepted {
             Ok((stream, _)) => {
