@@ -3,18 +3,27 @@
 # release binaries, makes throwaway certificates, starts a target process,
 # a proxy-server + proxy-agent pair per frontend mode (gRPC and HTTP CONNECT,
 # each on a Unix socket; the agent on mTLS), and prints one Markdown table.
+# A second client, bench/go/connect-client.go (Go standard library only),
+# measures the direct and CONNECT routes too, so no figure rests on our own
+# client alone.
 # Extra arguments go to `konnectivity-bench run` (e.g. --runs 5, --idle 2000).
 # Run on Debian: bash hack/bench.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-command -v openssl >/dev/null || {
+missing=()
+command -v openssl >/dev/null || missing+=(openssl)
+command -v go >/dev/null || missing+=(golang-go)
+if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq && apt-get install -y -qq --no-install-recommends openssl >/dev/null
-}
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
 
 cargo build --release --locked --quiet --bin proxy-server --bin proxy-agent --bin konnectivity-bench
 work=$(mktemp -d /tmp/konnectivity-bench.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 hack/gen-certs.sh "$work/certs"
-target/release/konnectivity-bench run --bin-dir target/release --certs "$work/certs" --work "$work" "$@"
+# Standard library only: no module download, whatever the Go version.
+GO111MODULE=off go build -o "$work/connect-client" bench/go/connect-client.go
+target/release/konnectivity-bench run --bin-dir target/release --certs "$work/certs" --work "$work" \
+  --go-client "$work/connect-client" "$@"

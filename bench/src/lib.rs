@@ -3,6 +3,7 @@
 //! to the same targets, in one run, and prints one table of medians.
 //! `hack/bench.sh` builds the release binaries and runs it.
 
+pub mod go_client;
 pub mod report;
 pub mod route;
 pub mod scenarios;
@@ -61,7 +62,15 @@ pub struct RunArgs {
     /// Idle tunneled connections held for the memory measurement.
     #[arg(long, default_value_t = 10_000)]
     pub idle: usize,
-    /// Only these measurements (one, eight, rtt, setup, memory, stall); all by default.
+    /// The Go CONNECT client (bench/go/connect-client.go, built by
+    /// hack/bench.sh): its figures are reported beside ours.
+    #[arg(long)]
+    pub go_client: Option<PathBuf>,
+    /// Connections of the Go client's one-at-a-time dial measurement.
+    #[arg(long, default_value_t = 2000)]
+    pub go_dials: usize,
+    /// Only these measurements (one, down, eight, rtt, setup, memory, stall,
+    /// go); all by default.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 }
@@ -118,6 +127,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         let mut figures = measure(&args, route, stack.is_some(), &targets)
             .await
             .with_context(|| format!("measuring {}", route.name()))?;
+        measure_with_go(&args, route, &targets, &mut figures)
+            .await
+            .with_context(|| format!("measuring {} with the Go client", route.name()))?;
         if index > 0 {
             figures.memory_per_connection = memory.get(index - 1).copied();
         }
@@ -141,6 +153,11 @@ async fn measure(
             figures
                 .one_stream
                 .push(throughput_one(route, targets, args.bytes).await?);
+        }
+        if args.wants("down") {
+            figures
+                .one_stream_down
+                .push(throughput_down(route, targets, args.bytes).await?);
         }
         if args.wants("eight") {
             let rate = throughput_parallel(route, targets, args.bytes, 8).await?;
@@ -166,4 +183,55 @@ async fn measure(
         figures.beside_stalled = Some(beside_stalled(route, targets, args.bytes / 4, limit).await?);
     }
     Ok(figures)
+}
+
+/// The Go client's figures, on the routes it speaks (direct and CONNECT).
+async fn measure_with_go(
+    args: &RunArgs,
+    route: &Route,
+    targets: &Targets,
+    figures: &mut Figures,
+) -> anyhow::Result<()> {
+    let Some(client) = &args.go_client else {
+        return Ok(());
+    };
+    if !args.wants("go") {
+        return Ok(());
+    }
+    let proxy_uds = match route {
+        Route::Direct => None,
+        Route::HttpConnect { uds } => Some(uds.as_path()),
+        Route::Grpc { .. } => return Ok(()),
+    };
+    let go = |target| go_client::GoRun {
+        client,
+        proxy_uds,
+        target,
+    };
+    let bytes = vec![format!("-bytes={}", args.bytes)];
+    for run in 0..args.runs {
+        eprintln!("   Go client, run {} of {}", run + 1, args.runs);
+        let up = go(targets.sink)
+            .figure("upload", &bytes, "bytes_per_second")
+            .await?;
+        let down = go(targets.source)
+            .figure("download", &bytes, "bytes_per_second")
+            .await?;
+        let count = vec![format!("-count={}", args.round_trips)];
+        let rtt = go(targets.echo)
+            .figures("rtt", &count, &["p50_us", "p99_us"])
+            .await?;
+        let count = vec![format!("-count={}", args.go_dials)];
+        let dial = go(targets.echo)
+            .figures("dial", &count, &["per_second", "p50_us"])
+            .await?;
+        let go = &mut figures.go;
+        go.upload.push(up);
+        go.download.push(down);
+        go.rtt_p50_us.push(rtt[0]);
+        go.rtt_p99_us.push(rtt[1]);
+        go.dials_per_second.push(dial[0]);
+        go.dial_p50_us.push(dial[1]);
+    }
+    Ok(())
 }

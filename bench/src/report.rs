@@ -11,6 +11,7 @@ use crate::scenarios::{StallResult, median};
 #[derive(Default)]
 pub struct Figures {
     pub one_stream: Vec<f64>,
+    pub one_stream_down: Vec<f64>,
     pub eight_streams: Vec<f64>,
     pub rtt_p50: Vec<Duration>,
     pub rtt_p99: Vec<Duration>,
@@ -18,6 +19,20 @@ pub struct Figures {
     pub dial_p50: Vec<Duration>,
     pub memory_per_connection: Option<f64>,
     pub beside_stalled: Option<StallResult>,
+    /// The Go client's figures (direct and CONNECT routes only).
+    pub go: GoFigures,
+}
+
+/// What `bench/go/connect-client.go` measured, one entry per run.
+#[derive(Default)]
+pub struct GoFigures {
+    pub upload: Vec<f64>,
+    pub download: Vec<f64>,
+    pub rtt_p50_us: Vec<f64>,
+    pub rtt_p99_us: Vec<f64>,
+    /// Dial, one 1 KiB round trip and close, one connection at a time.
+    pub dials_per_second: Vec<f64>,
+    pub dial_p50_us: Vec<f64>,
 }
 
 #[derive(Default)]
@@ -53,6 +68,12 @@ const ROWS: &[Row] = &[
         unit: "MiB/s",
         budget: ">= 0.35x direct",
         value: |f| median_of(&f.one_stream).map(mib),
+    },
+    Row {
+        name: "throughput, 1 stream down",
+        unit: "MiB/s",
+        budget: ">= 0.35x direct",
+        value: |f| median_of(&f.one_stream_down).map(mib),
     },
     Row {
         name: "throughput, 8 streams",
@@ -100,6 +121,42 @@ const ROWS: &[Row] = &[
                 .map(|stall| stall.throughput.map_or(0.0, mib))
         },
     },
+    Row {
+        name: "Go client: 1 stream up",
+        unit: "MiB/s",
+        budget: ">= 0.35x direct",
+        value: |f| median_of(&f.go.upload).map(mib),
+    },
+    Row {
+        name: "Go client: 1 stream down",
+        unit: "MiB/s",
+        budget: ">= 0.35x direct",
+        value: |f| median_of(&f.go.download).map(mib),
+    },
+    Row {
+        name: "Go client: 1 KiB round trip p50",
+        unit: "us",
+        budget: "<= 3x direct",
+        value: |f| median_of(&f.go.rtt_p50_us),
+    },
+    Row {
+        name: "Go client: 1 KiB round trip p99",
+        unit: "us",
+        budget: "",
+        value: |f| median_of(&f.go.rtt_p99_us),
+    },
+    Row {
+        name: "Go client: dial + round trip + close, 1 at a time",
+        unit: "conn/s",
+        budget: ">= 0.5x direct",
+        value: |f| median_of(&f.go.dials_per_second),
+    },
+    Row {
+        name: "Go client: dial + round trip + close p50",
+        unit: "us",
+        budget: "",
+        value: |f| median_of(&f.go.dial_p50_us),
+    },
 ];
 
 impl Table {
@@ -112,12 +169,13 @@ impl Table {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "median of {} runs; {} MiB per transfer; {} round trips; {} set-ups (16 at a time); {} idle connections",
+            "median of {} runs; {} MiB per transfer; {} round trips; {} set-ups (16 at a time); {} idle connections; {} Go client dials",
             args.runs,
             args.bytes >> 20,
             args.round_trips,
             args.setups,
-            args.idle
+            args.idle,
+            args.go_dials
         );
         let _ = writeln!(out);
         let mut header = String::from("| figure | unit |");

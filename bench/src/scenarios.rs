@@ -47,6 +47,23 @@ pub async fn throughput_one(route: &Route, targets: &Targets, bytes: u64) -> any
     Ok(bytes as f64 / started.elapsed().as_secs_f64())
 }
 
+/// Bytes per second of one connection reading `bytes` from the source
+/// target (which writes without end): the download direction.
+pub async fn throughput_down(route: &Route, targets: &Targets, bytes: u64) -> anyhow::Result<f64> {
+    let mut conn = route.open(targets.source).await?;
+    let mut buffer = vec![0u8; WRITE_SIZE];
+    let started = Instant::now();
+    let mut left = bytes;
+    while left > 0 {
+        let want = buffer.len().min(left as usize);
+        match conn.read(&mut buffer[..want]).await? {
+            0 => bail!("the source ended with {left} bytes still to read"),
+            n => left -= n as u64,
+        }
+    }
+    Ok(bytes as f64 / started.elapsed().as_secs_f64())
+}
+
 /// Aggregate bytes per second of `streams` connections pushing
 /// `bytes / streams` each at once.
 pub async fn throughput_parallel(
