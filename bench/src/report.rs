@@ -108,7 +108,7 @@ const ROWS: &[Row] = &[
     Row {
         name: "RSS per idle connection",
         unit: "KiB",
-        budget: "<= 16 KiB",
+        budget: "<= 8 KiB",
         value: |f| f.memory_per_connection.map(|bytes| bytes / 1024.0),
     },
     Row {

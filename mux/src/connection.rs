@@ -11,9 +11,9 @@ use std::collections::HashMap;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use konnectivity_proto::ConnectId;
-use tokio::sync::mpsc;
 
 use crate::flow::{self, ReceiveCredit, ReceiveGate, Refused, SendWindow};
+use crate::mailbox::{self, mailbox};
 
 /// Creates one connection's route, port and send window (for its producer).
 /// `flow_control`: both ends of the stream negotiated the extension
@@ -21,7 +21,7 @@ use crate::flow::{self, ReceiveCredit, ReceiveGate, Refused, SendWindow};
 /// the session may send other messages (a dial's answer, why the connection
 /// closed) with [`Route::send`].
 pub fn connection<M>(flow_control: bool) -> (Route<M>, Port<M>, SendWindow) {
-    let (to_consumer, from_stream) = mpsc::unbounded_channel();
+    let (to_consumer, from_stream) = mailbox();
     let (gate, credit) = flow::receive_window(flow_control);
     let window = SendWindow::new(flow_control);
     let route = Route {
@@ -39,7 +39,7 @@ pub fn connection<M>(flow_control: bool) -> (Route<M>, Port<M>, SendWindow) {
 pub struct Route<M> {
     /// Unbounded: DATA in it is bounded by `gate`; other messages are one
     /// or two per connection.
-    to_consumer: mpsc::UnboundedSender<M>,
+    to_consumer: mailbox::Sender<M>,
     gate: ReceiveGate,
     window: SendWindow,
 }
@@ -62,7 +62,7 @@ impl<M> Drop for Route<M> {
 /// The consumer's end of a connection.
 #[derive(Debug)]
 pub struct Port<M> {
-    from_stream: mpsc::UnboundedReceiver<M>,
+    from_stream: mailbox::Receiver<M>,
     credit: ReceiveCredit,
 }
 

@@ -15,5 +15,6 @@
 
 mod connection;
 pub mod flow;
+mod mailbox;
 
 pub use connection::{Connections, Delivery, Entry, Port, Route, connection};

@@ -1,0 +1,162 @@
+//! A connection's mailbox: the messages its route hands its consumer.
+//!
+//! One sender (the route), one receiver (the port), unbounded: DATA in it is
+//! bounded by the receive window. tokio's mpsc channel allocates its first
+//! block of 32 slots when it is made, over a kilobyte per connection held
+//! by every idle tunnel on both ends; this queue holds nothing until a
+//! message arrives and then only what is in flight.
+
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
+
+/// A mailbox's two ends.
+pub(crate) fn mailbox<M>() -> (Sender<M>, Receiver<M>) {
+    let shared = Arc::new(Mutex::new(Queue {
+        messages: VecDeque::new(),
+        waiting: None,
+        sender_gone: false,
+        receiver_gone: false,
+    }));
+    (
+        Sender {
+            shared: shared.clone(),
+        },
+        Receiver { shared },
+    )
+}
+
+#[derive(Debug)]
+struct Queue<M> {
+    messages: VecDeque<M>,
+    /// The receiver, waiting for a message.
+    waiting: Option<Waker>,
+    sender_gone: bool,
+    receiver_gone: bool,
+}
+
+fn lock<M>(shared: &Mutex<Queue<M>>) -> MutexGuard<'_, Queue<M>> {
+    // Nothing panics while holding the lock; a poisoned queue is still whole.
+    shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[derive(Debug)]
+pub(crate) struct Sender<M> {
+    shared: Arc<Mutex<Queue<M>>>,
+}
+
+impl<M> Sender<M> {
+    /// Queues `message`; hands it back if the receiver is gone.
+    pub(crate) fn send(&self, message: M) -> Result<(), M> {
+        let waiting = {
+            let mut queue = lock(&self.shared);
+            if queue.receiver_gone {
+                return Err(message);
+            }
+            queue.messages.push_back(message);
+            queue.waiting.take()
+        };
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
+        Ok(())
+    }
+}
+
+impl<M> Drop for Sender<M> {
+    fn drop(&mut self) {
+        let waiting = {
+            let mut queue = lock(&self.shared);
+            queue.sender_gone = true;
+            queue.waiting.take()
+        };
+        if let Some(waker) = waiting {
+            waker.wake();
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Receiver<M> {
+    shared: Arc<Mutex<Queue<M>>>,
+}
+
+impl<M> Receiver<M> {
+    /// The next message; `None` once the sender is gone and every message
+    /// it sent was received.
+    pub(crate) async fn recv(&mut self) -> Option<M> {
+        poll_fn(|cx| {
+            let mut queue = lock(&self.shared);
+            if let Some(message) = queue.messages.pop_front() {
+                return Poll::Ready(Some(message));
+            }
+            if queue.sender_gone {
+                return Poll::Ready(None);
+            }
+            match &mut queue.waiting {
+                Some(waker) => waker.clone_from(cx.waker()),
+                none => *none = Some(cx.waker().clone()),
+            }
+            Poll::Pending
+        })
+        .await
+    }
+}
+
+impl<M> Drop for Receiver<M> {
+    fn drop(&mut self) {
+        // Messages still queued go now, not when the sender goes.
+        let dropped = {
+            let mut queue = lock(&self.shared);
+            queue.receiver_gone = true;
+            queue.waiting = None;
+            std::mem::take(&mut queue.messages)
+        };
+        drop(dropped);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn messages_arrive_in_order_then_the_end() {
+        let (sender, mut receiver) = mailbox();
+        for n in 0..100 {
+            sender.send(n).unwrap();
+        }
+        drop(sender);
+        for n in 0..100 {
+            assert_eq!(receiver.recv().await, Some(n));
+        }
+        assert_eq!(receiver.recv().await, None);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_receiver_wakes_for_a_message_and_for_the_end() {
+        let (sender, mut receiver) = mailbox();
+        let waiting = tokio::spawn(async move { (receiver.recv().await, receiver.recv().await) });
+        tokio::task::yield_now().await;
+        sender.send("one").unwrap();
+        tokio::task::yield_now().await;
+        drop(sender);
+        assert_eq!(waiting.await.unwrap(), (Some("one"), None));
+    }
+
+    #[test]
+    fn sending_to_a_gone_receiver_hands_the_message_back_and_queued_ones_are_dropped() {
+        let (sender, receiver) = mailbox();
+        let queued = Arc::new(());
+        sender.send(queued.clone()).unwrap();
+        drop(receiver);
+        assert_eq!(
+            Arc::strong_count(&queued),
+            1,
+            "queued messages go with the receiver"
+        );
+        let message = Arc::new(());
+        assert!(sender.send(message.clone()).is_err());
+    }
+}
