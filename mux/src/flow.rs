@@ -66,11 +66,16 @@ impl SendWindow {
         // A packet larger than the whole window could never be sent; ours are
         // at most DATA_CHUNK, far below it.
         let cost = cost(len).min(WINDOW);
-        window
-            .acquire_many(cost)
-            .await
-            .map_err(|_| WindowClosed)?
-            .forget();
+        let permits = match window.try_acquire_many(cost) {
+            Ok(permits) => permits,
+            Err(tokio::sync::TryAcquireError::Closed) => return Err(WindowClosed),
+            // The wait for credit is boxed: inline, its state would make the
+            // task of every connection larger, idle ones included.
+            Err(tokio::sync::TryAcquireError::NoPermits) => Box::pin(window.acquire_many(cost))
+                .await
+                .map_err(|_| WindowClosed)?,
+        };
+        permits.forget();
         Ok(())
     }
 

@@ -146,7 +146,15 @@ impl Backend {
     /// Queues a frame for the agent, waiting while the queue is full.
     pub async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
         self.metrics.packet(Segment::ToAgent, frame.kind());
-        self.outbound.send(frame.into()).await.map_err(|_| BackendGone)
+        match self.outbound.try_send(frame.into()) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(BackendGone),
+            // The wait for room is boxed: inline, its state would make the
+            // task of every tunnel larger, idle ones included.
+            Err(mpsc::error::TrySendError::Full(packet)) => Box::pin(self.outbound.send(packet))
+                .await
+                .map_err(|_| BackendGone),
+        }
     }
 
     pub async fn command(&self, command: Command) -> Result<(), BackendGone> {
