@@ -209,6 +209,9 @@ pub struct Args {
     pub state_dir: String,
 
     #[command(flatten)]
+    pub runtime: konnectivity_plumbing::runtime::RuntimeArgs,
+
+    #[command(flatten)]
     pub klog: KlogArgs,
 
     #[command(subcommand)]

@@ -26,7 +26,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     let captures = config.node.is_some();
-    let runtime = konnectivity_plumbing::runtime::multi_thread()?;
+    let runtime = konnectivity_plumbing::runtime::multi_thread(args.runtime.workers())?;
     let result = runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
         let (drain, watcher) = konnectivity_plumbing::lifecycle::channel();

@@ -192,6 +192,9 @@ pub struct Args {
     pub control_plane_agent_ids: GoList,
 
     #[command(flatten)]
+    pub runtime: konnectivity_plumbing::runtime::RuntimeArgs,
+
+    #[command(flatten)]
     pub klog: KlogArgs,
 }
 

@@ -10,7 +10,7 @@ fn main() -> anyhow::Result<()> {
     let config =
         konnectivity_plumbing::klog::start("proxy-server", config, &args.klog, &args.inert_settings())?;
 
-    let runtime = konnectivity_plumbing::runtime::multi_thread()?;
+    let runtime = konnectivity_plumbing::runtime::multi_thread(args.runtime.workers())?;
     let result = runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
         let shutdown = async move {

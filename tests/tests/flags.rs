@@ -237,3 +237,34 @@ fn a_missing_socket_directory_stops_start_up_with_one_line_naming_the_flag() {
         "{stderr}"
     );
 }
+
+/// Threads of a process named as tokio names its runtime workers.
+fn runtime_workers(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter(|task| {
+            let comm = task.as_ref().unwrap().path().join("comm");
+            std::fs::read_to_string(comm).is_ok_and(|name| name.trim() == "tokio-rt-worker")
+        })
+        .count()
+}
+
+/// `--worker-threads` sizes each binary's runtime; left at 0 it is half the
+/// CPUs this process may use, at least one (not tokio's one per CPU).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_threads_sizes_the_runtime_and_defaults_to_half_the_cpus() {
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    let default = (cpus / 2).max(1);
+    let setup =
+        crate::support::cluster::Setup::with_flags("http-connect", true, &["--worker-threads=3".into()], &[])
+            .await;
+    assert_eq!(runtime_workers(setup.server.proc.pid()), 3, "--worker-threads=3");
+    assert_eq!(
+        runtime_workers(setup.agent.proc.pid()),
+        default,
+        "the default on {cpus} CPUs"
+    );
+    let (code, stderr) = run("proxy-agent", &["--worker-threads=x"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--worker-threads"), "{stderr}");
+}
