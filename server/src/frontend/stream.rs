@@ -42,29 +42,29 @@ trait TryRead {
     fn try_read_buf(&self, buf: &mut BytesMut) -> io::Result<usize>;
 }
 
-/// Reads what is ready now: a small read becomes a packet of exactly its
-/// size; one that fills [`SMALL_READ`] goes on into a buffer of up to
-/// DATA_CHUNK with whatever else is ready, so bulk transfers still travel
-/// in large packets. The small buffer lives on the stack of this call, not
-/// in the waiting task.
+/// Reads what is ready now, through a small buffer on the stack of this
+/// call rather than in the waiting task.
 fn read_ready(half: &impl TryRead) -> io::Result<Option<Bytes>> {
     let mut first = [0u8; SMALL_READ];
     let n = half.try_read(&mut first)?;
-    if n == 0 {
-        return Ok(None);
+    Ok(packet(&first[..n], |chunk| half.try_read_buf(chunk).unwrap_or(0)))
+}
+
+/// The packet for a first read `first` (`None`: end of stream). A small read
+/// is a packet of exactly its size; one that filled [`SMALL_READ`] goes on
+/// with `read_more` (what is ready now; 0 when nothing is) into a buffer of
+/// up to DATA_CHUNK, so bulk transfers still travel in large packets.
+fn packet(first: &[u8], mut read_more: impl FnMut(&mut BytesMut) -> usize) -> Option<Bytes> {
+    if first.is_empty() {
+        return None;
     }
-    if n < SMALL_READ {
-        return Ok(Some(Bytes::copy_from_slice(&first[..n])));
+    if first.len() < SMALL_READ {
+        return Some(Bytes::copy_from_slice(first));
     }
     let mut chunk = BytesMut::with_capacity(DATA_CHUNK);
-    chunk.extend_from_slice(&first);
-    while chunk.len() < DATA_CHUNK {
-        match half.try_read_buf(&mut chunk) {
-            Ok(read) if read > 0 => {}
-            _ => break,
-        }
-    }
-    Ok(Some(chunk.freeze()))
+    chunk.extend_from_slice(first);
+    while chunk.len() < DATA_CHUNK && read_more(&mut chunk) > 0 {}
+    Some(chunk.freeze())
 }
 
 /// An idle tunnel on a socket whose readiness tokio tracks waits for
@@ -134,21 +134,12 @@ impl ChunkReader for ReadHalf<TlsStream<TcpStream>> {
     async fn read_chunk(&mut self) -> io::Result<Option<Bytes>> {
         let mut first = [0u8; SMALL_READ];
         let n = self.read(&mut first).await?;
-        if n == 0 {
-            return Ok(None);
-        }
-        if n < SMALL_READ {
-            return Ok(Some(Bytes::copy_from_slice(&first[..n])));
-        }
-        let mut chunk = BytesMut::with_capacity(DATA_CHUNK);
-        chunk.extend_from_slice(&first);
-        while chunk.len() < DATA_CHUNK {
-            match self.read_buf(&mut chunk).now_or_never() {
-                Some(Ok(read)) if read > 0 => {}
-                _ => break,
+        Ok(packet(&first[..n], |chunk| {
+            match self.read_buf(chunk).now_or_never() {
+                Some(Ok(read)) => read,
+                _ => 0,
             }
-        }
-        Ok(Some(chunk.freeze()))
+        }))
     }
 }
 
