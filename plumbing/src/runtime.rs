@@ -46,9 +46,10 @@ impl RuntimeArgs {
     /// CPU, so each hand-off wakes another CPU and moves the chunk between
     /// caches. The proxy always shares its machine with the peers on the same
     /// path (kube-apiserver beside the server, the targets beside the
-    /// agent). Measured with hack/bench.sh on 2 CPUs, one worker each instead
-    /// of two: one stream +35% up and +20% down, new connections +20%, dial
-    /// latency -20%, 8 streams +8%, nothing worse.
+    /// agent). Measured with hack/bench.sh --runs 5 on 2 CPUs, one worker each
+    /// instead of two: one stream up +35% (CONNECT, our client; +13-17% with
+    /// the Go client), new connections +15-23%, dial latency -10-18%, 8
+    /// streams +10-16%; download and round trips within noise.
     pub fn workers(&self) -> usize {
         if self.worker_threads > 0 {
             return self.worker_threads;
