@@ -203,7 +203,7 @@ async fn measure_with_go(
         Route::HttpConnect { uds } => Some(uds.as_path()),
         Route::Grpc { .. } => return Ok(()),
     };
-    let go = |target| go_client::GoRun {
+    let go_to = |target| go_client::GoRun {
         client,
         proxy_uds,
         target,
@@ -211,27 +211,27 @@ async fn measure_with_go(
     let bytes = vec![format!("-bytes={}", args.bytes)];
     for run in 0..args.runs {
         eprintln!("   Go client, run {} of {}", run + 1, args.runs);
-        let up = go(targets.sink)
+        let up = go_to(targets.sink)
             .figure("upload", &bytes, "bytes_per_second")
             .await?;
-        let down = go(targets.source)
+        let down = go_to(targets.source)
             .figure("download", &bytes, "bytes_per_second")
             .await?;
         let count = vec![format!("-count={}", args.round_trips)];
-        let rtt = go(targets.echo)
+        let rtt = go_to(targets.echo)
             .figures("rtt", &count, &["p50_us", "p99_us"])
             .await?;
         let count = vec![format!("-count={}", args.go_dials)];
-        let dial = go(targets.echo)
+        let dial = go_to(targets.echo)
             .figures("dial", &count, &["per_second", "p50_us"])
             .await?;
-        let go = &mut figures.go;
-        go.upload.push(up);
-        go.download.push(down);
-        go.rtt_p50_us.push(rtt[0]);
-        go.rtt_p99_us.push(rtt[1]);
-        go.dials_per_second.push(dial[0]);
-        go.dial_p50_us.push(dial[1]);
+        let measured = &mut figures.go;
+        measured.upload.push(up);
+        measured.download.push(down);
+        measured.rtt_p50_us.push(rtt[0]);
+        measured.rtt_p99_us.push(rtt[1]);
+        measured.dials_per_second.push(dial[0]);
+        measured.dial_p50_us.push(dial[1]);
     }
     Ok(())
 }
