@@ -14,6 +14,8 @@ use konnectivity_plumbing::klog::KlogArgs;
 
 use crate::capture::CniSettings;
 use crate::capture::map::{Capture, CaptureMap};
+pub use crate::leases::LeaseCounting;
+use konnectivity_plumbing::kube::KubeEndpoint;
 use konnectivity_plumbing::tls::{Identity, PemFile};
 use konnectivity_proto::AgentIdentifiers;
 
@@ -87,24 +89,27 @@ pub struct Args {
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub sync_forever: bool,
-    /// Count proxy-server Leases to learn the server count. Not applied in this version (accepted for upstream compatibility).
+    /// Count the valid proxy-server Leases (in --lease-namespace, matching
+    /// --lease-label-selector) to learn how many servers to connect to, through
+    /// --kubeconfig or the pod's ServiceAccount; see --server-count-source.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub count_server_leases: bool,
-    /// Namespace of the server Leases to count. Not applied in this version (accepted for upstream compatibility).
+    /// Namespace of the server Leases to count.
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Labels of the server Leases to count. Not applied in this version (accepted for upstream compatibility).
+    /// Label selector of the server Leases to count (upstream v0.36.0's name of
+    /// --lease-label-selector; the latter wins when both are given).
     #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
     pub lease_label: String,
-    /// Label selector of the server Leases to count (upstream master). Not applied in this version (accepted for upstream compatibility).
+    /// Label selector of the server Leases to count (upstream master's name).
     #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
     pub lease_label_selector: String,
-    /// Where the server count comes from: default (the servers' headers) or max (the larger of
-    /// headers and Leases). Only default is applied in this version.
+    /// With --count-server-leases, where the server count comes from: default (the
+    /// Leases alone) or max (the larger of the Leases' count and the servers' own).
     #[arg(long, default_value = "default")]
     pub server_count_source: String,
-    /// kubeconfig for counting Leases. Not applied in this version (accepted for upstream compatibility).
+    /// kubeconfig for counting Leases; empty uses the pod's ServiceAccount. Not applied without --count-server-leases.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility).
@@ -288,6 +293,10 @@ pub struct Config {
     /// `--keepalive-time`, raised to [`MIN_KEEPALIVE`]; `None` is off.
     pub keepalive: Option<Duration>,
     pub node: Option<NodeConfig>,
+    /// `--count-server-leases` and its settings.
+    pub lease_counting: Option<LeaseCounting>,
+    /// `--server-count-source=max`.
+    pub server_count_max: bool,
 }
 
 /// Upstream servers allow a ping every 30s at most (gRPC keepalive
@@ -356,12 +365,18 @@ impl Config {
         if args.probe_interval.is_zero() {
             return Err(invalid("probe-interval", "must be greater than 0"));
         }
-        if !matches!(args.server_count_source.as_str(), "default" | "max") {
-            return Err(invalid(
-                "server-count-source",
-                format!("{:?} is not default or max", args.server_count_source),
-            ));
-        }
+        // Upstream takes an empty value as default.
+        let count_max = match args.server_count_source.as_str() {
+            "" | "default" => false,
+            "max" => true,
+            other => {
+                return Err(invalid(
+                    "server-count-source",
+                    format!("{other:?} is not default or max"),
+                ));
+            }
+        };
+        let lease_counting = lease_counting(args)?;
         let token_path =
             pem_file("service-account-token-path", &args.service_account_token_path)?.map(|file| file.path);
         pem_file("kubeconfig", &args.kubeconfig)?;
@@ -408,8 +423,43 @@ impl Config {
             dial_timeout: args.dial_timeout,
             keepalive: (!args.keepalive_time.is_zero()).then(|| args.keepalive_time.max(MIN_KEEPALIVE)),
             node,
+            lease_counting,
+            server_count_max: count_max,
         })
     }
+}
+
+/// `--count-server-leases` and the flags it reads.
+fn lease_counting(args: &Args) -> Result<Option<LeaseCounting>, ConfigError> {
+    if !args.count_server_leases {
+        return Ok(None);
+    }
+    if args.lease_namespace.is_empty() {
+        return Err(invalid(
+            "lease-namespace",
+            "must not be empty with --count-server-leases",
+        ));
+    }
+    const DEFAULT_SELECTOR: &str = "k8s-app=konnectivity-server";
+    let (flag, selector) =
+        if args.lease_label_selector != DEFAULT_SELECTOR || args.lease_label == DEFAULT_SELECTOR {
+            ("lease-label-selector", &args.lease_label_selector)
+        } else {
+            ("lease-label", &args.lease_label)
+        };
+    let labels = konnectivity_plumbing::kube::lease::parse_labels(selector);
+    if labels.is_empty() {
+        return Err(invalid(
+            flag,
+            "must name at least one key=value with --count-server-leases",
+        ));
+    }
+    let kube = KubeEndpoint::from_flag(&args.kubeconfig).map_err(|e| invalid("kubeconfig", e.to_string()))?;
+    Ok(Some(LeaseCounting {
+        kube,
+        namespace: args.lease_namespace.clone(),
+        selector: konnectivity_plumbing::kube::lease::selector(&labels),
+    }))
 }
 
 /// The `--capture` entry `--capture-target` stands for: the kubelet's
@@ -506,15 +556,10 @@ impl Args {
             ("admin-server-port", self.admin_server_port != 8094),
             ("xfr-channel-size", self.xfr_channel_size != 150),
             ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
-            ("count-server-leases", self.count_server_leases),
-            ("lease-namespace", self.lease_namespace != "kube-system"),
-            ("lease-label", self.lease_label != "k8s-app=konnectivity-server"),
             (
-                "lease-label-selector",
-                self.lease_label_selector != "k8s-app=konnectivity-server",
+                "kubeconfig",
+                !self.kubeconfig.is_empty() && !self.count_server_leases,
             ),
-            ("server-count-source", self.server_count_source != "default"),
-            ("kubeconfig", !self.kubeconfig.is_empty()),
             (
                 "kube-api-content-type",
                 self.kube_api_content_type != "application/vnd.kubernetes.protobuf",
@@ -547,10 +592,6 @@ mod tests {
             "--admin-server-port=9000",
             "--xfr-channel-size=5",
             "--admin-bind-address=0.0.0.0",
-            "--count-server-leases",
-            "--lease-namespace=x",
-            "--lease-label=a=b",
-            "--lease-label-selector=a=b",
             "--kubeconfig=/x",
             "--kube-api-content-type=application/json",
             "--enable-profiling",

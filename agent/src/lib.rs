@@ -9,6 +9,7 @@ pub mod cni;
 pub mod config;
 mod endpoint;
 mod health;
+mod leases;
 mod metrics;
 pub mod programs;
 mod server_conn;
@@ -136,10 +137,19 @@ pub async fn run(config: Config, drain: Watcher) -> Result<(), AgentError> {
         sync_forever: config.sync_forever,
         rediscover_every: config.sync_interval_cap,
     };
+    let lease_count = config
+        .lease_counting
+        .clone()
+        .map(|counting| leases::LeaseCount::start(counting, metrics.clone()));
+    let count_source = servers::ServerCountSource {
+        max: config.server_count_max,
+        leases: lease_count.as_ref().map(leases::LeaseCount::subscribe),
+    };
     let mut egress = AbortOnDrop(tokio::spawn(servers::serve(
         target,
         settings,
         sync,
+        count_source,
         metrics.clone(),
         drain,
         backoff,

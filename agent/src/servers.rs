@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::metrics::GaugeGuard;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
@@ -41,6 +41,41 @@ pub(crate) struct SyncSettings {
     pub rediscover_every: Duration,
 }
 
+/// Where the number of servers to hold comes from: the servers' own
+/// `serverCount`, the valid Leases (`--count-server-leases`), or the larger
+/// of both (`--server-count-source=max`), as upstream combines them.
+pub(crate) struct ServerCountSource {
+    /// `--server-count-source=max`.
+    pub max: bool,
+    /// The Lease count, with `--count-server-leases`.
+    pub leases: Option<watch::Receiver<u32>>,
+}
+
+impl ServerCountSource {
+    /// How many servers to hold, given the count the servers announced.
+    fn wanted(&self, announced: u32) -> usize {
+        let announced = announced.max(1);
+        let count = match &self.leases {
+            None => announced,
+            Some(leases) if self.max => (*leases.borrow()).max(announced),
+            Some(leases) => *leases.borrow(),
+        };
+        count.max(1) as usize
+    }
+
+    /// Resolves when the Lease count changes; never without Leases.
+    async fn changed(&mut self) {
+        match &mut self.leases {
+            Some(leases) => {
+                if leases.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
 /// What the tasks of held connections report to the loop.
 enum Report {
     /// The stream to this server ended.
@@ -55,6 +90,7 @@ pub(crate) async fn serve(
     target: ServerTarget,
     settings: SessionSettings,
     sync: SyncSettings,
+    mut count_source: ServerCountSource,
     metrics: Arc<AgentMetrics>,
     drain: Watcher,
     mut backoff: Backoff,
@@ -62,22 +98,27 @@ pub(crate) async fn serve(
     let (report_tx, mut reports) = mpsc::unbounded_channel::<Report>();
     let mut held: HashMap<String, SessionTask> = HashMap::new();
     // Until a server says otherwise there is one.
-    let mut wanted: usize = 1;
-    let apply = |report: Report, held: &mut HashMap<String, SessionTask>, wanted: &mut usize| match report {
+    let mut announced: u32 = 1;
+    let apply = |report: Report, held: &mut HashMap<String, SessionTask>, announced: &mut u32| match report {
         Report::Ended(server_id) => {
             held.remove(&server_id);
         }
         Report::ServerCount(count) => {
-            if sync.sync_forever && count as usize != *wanted {
-                tracing::info!(from = *wanted, to = count, "server count changed");
-                *wanted = (count as usize).max(1);
-                metrics.known_server_count.set(i64::from(count));
+            if sync.sync_forever && count != *announced {
+                tracing::info!(from = *announced, to = count, "server count changed");
+                *announced = count;
             }
         }
     };
+    let mut wanted = 0;
     loop {
         while let Ok(report) = reports.try_recv() {
-            apply(report, &mut held, &mut wanted);
+            apply(report, &mut held, &mut announced);
+        }
+        let now_wanted = count_source.wanted(announced);
+        if now_wanted != wanted {
+            wanted = now_wanted;
+            metrics.known_server_count.set(wanted as i64);
         }
         if held.len() >= wanted {
             // Converged: nothing to dial until a stream ends, the count
@@ -91,7 +132,11 @@ pub(crate) async fn serve(
             };
             tokio::select! {
                 Some(report) = reports.recv() => {
-                    apply(report, &mut held, &mut wanted);
+                    apply(report, &mut held, &mut announced);
+                    backoff.reset();
+                    continue;
+                }
+                () = count_source.changed() => {
                     backoff.reset();
                     continue;
                 }
@@ -100,8 +145,9 @@ pub(crate) async fn serve(
         }
         match target.connect(&metrics).await {
             Ok(stream) => {
-                wanted = (stream.server_count as usize).max(1);
-                metrics.known_server_count.set(i64::from(stream.server_count));
+                announced = stream.server_count;
+                wanted = count_source.wanted(announced);
+                metrics.known_server_count.set(wanted as i64);
                 if held.contains_key(&stream.server_id) {
                     tracing::debug!(server_id = %stream.server_id, "already connected to this server; closing the duplicate");
                 } else {

@@ -23,6 +23,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 
@@ -31,6 +32,17 @@ pub type Labels = Vec<(&'static str, &'static str)>;
 
 /// Upstream's dial latency buckets, 1 µs to 12.5 s.
 pub const LATENCY_BUCKETS: [f64; 9] = [0.000001, 0.00001, 0.0001, 0.005, 0.025, 0.1, 0.5, 2.5, 12.5];
+
+/// The Go client's default histogram buckets, 5 ms to 10 s, which upstream's
+/// lease metrics use.
+pub const DEFAULT_BUCKETS: [f64; 11] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+/// Labels of a kube-apiserver call's outcome: an HTTP status code, and for
+/// counters the `Status` reason (`Conflict`, …; empty on success).
+pub type ApiLabels = Vec<(&'static str, String)>;
+
+/// Histograms by [`ApiLabels`], each made with the family's buckets.
+pub type ApiHistograms = Family<ApiLabels, Histogram, fn() -> Histogram>;
 
 /// The content type of [`encode`]'s output (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

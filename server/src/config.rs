@@ -15,6 +15,7 @@ use konnectivity_plumbing::kube::KubeEndpoint;
 use konnectivity_plumbing::tls::{Identity, PemFile};
 
 use crate::backend::strategy::{Strategy, parse_strategies};
+pub use crate::leases::LeaseSettings;
 use crate::policy::{AllowedDestination, parse_allowed};
 use crate::token_auth::AllowedAgents;
 
@@ -132,7 +133,7 @@ pub struct Args {
     /// The audience agents' tokens must be issued for (checked by TokenReview).
     #[arg(long, default_value = "")]
     pub authentication_audience: String,
-    /// kubeconfig for TokenReviews; empty uses the pod's ServiceAccount.
+    /// kubeconfig for TokenReviews and server Leases; empty uses the pod's ServiceAccount.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
     /// Rate limit of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): TokenReviews are cached and shared instead.
@@ -150,16 +151,28 @@ pub struct Args {
     /// Minimum TLS version: VersionTLS12 or VersionTLS13 (10 and 11 are not offered).
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
-    /// Publish a Lease for this server, for agents to count. Not applied in this version (accepted for upstream compatibility).
+    /// Publish a Lease for this server (coordination.k8s.io/v1, in --lease-namespace,
+    /// labelled --lease-label) for agents to count, and delete expired server Leases;
+    /// through --kubeconfig, or the pod's ServiceAccount when it is empty.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub enable_lease_controller: bool,
-    /// Namespace of the server Leases. Not applied in this version (accepted for upstream compatibility), as --enable-lease-controller.
+    /// Namespace of the server Leases.
     #[arg(long, default_value = "kube-system")]
     pub lease_namespace: String,
-    /// Labels of the server Leases. Not applied in this version (accepted for upstream compatibility), as --enable-lease-controller.
+    /// Labels of this server's Lease, comma-separated key=value; also the selector
+    /// of the Leases whose expired ones this server deletes.
     #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
     pub lease_label: String,
+    /// How long a server Lease stays valid after a renewal (upstream fixes 30s).
+    #[arg(long, value_parser = parse_duration, default_value = "30s", help_heading = "konnectivity-rs additions")]
+    pub lease_duration: Duration,
+    /// How often the server renews its Lease (upstream fixes 15s); below --lease-duration.
+    #[arg(long, value_parser = parse_duration, default_value = "15s", help_heading = "konnectivity-rs additions")]
+    pub lease_renew_interval: Duration,
+    /// How often the server looks for expired server Leases to delete (upstream fixes 15s).
+    #[arg(long, value_parser = parse_duration, default_value = "15s", help_heading = "konnectivity-rs additions")]
+    pub lease_gc_interval: Duration,
     /// Go's pprof on the admin port. Not applied in this version (accepted for upstream compatibility).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
@@ -248,6 +261,8 @@ pub struct Config {
     pub agent_auth: Option<AgentTokenAuth>,
     /// `--max-tunnels-per-frontend` (0: none).
     pub max_tunnels_per_frontend: usize,
+    /// `--enable-lease-controller` and its settings.
+    pub leases: Option<LeaseSettings>,
 }
 
 /// `--agent-namespace` & co.: whom to admit, and the kube-apiserver that
@@ -379,6 +394,7 @@ impl Config {
                 }
             }
         }
+        let leases = lease_settings(args)?;
         let agent_auth = if token_auth.iter().any(|v| !v.is_empty()) {
             let kube = KubeEndpoint::from_flag(&args.kubeconfig)
                 .map_err(|e| invalid("kubeconfig", e.to_string()))?;
@@ -435,8 +451,58 @@ impl Config {
             control_plane_agent_ids,
             agent_auth,
             max_tunnels_per_frontend: args.max_tunnels_per_frontend,
+            leases,
         })
     }
+}
+
+/// `--enable-lease-controller` and the flags it reads.
+fn lease_settings(args: &Args) -> Result<Option<LeaseSettings>, ConfigError> {
+    if !args.enable_lease_controller {
+        return Ok(None);
+    }
+    if args.lease_namespace.is_empty() {
+        return Err(invalid(
+            "lease-namespace",
+            "must not be empty with --enable-lease-controller",
+        ));
+    }
+    let labels = konnectivity_plumbing::kube::lease::parse_labels(&args.lease_label);
+    if labels.is_empty() {
+        // An empty selector matches every Lease of the namespace, and the
+        // garbage collector would delete other components' expired Leases.
+        return Err(invalid(
+            "lease-label",
+            "must name at least one key=value with --enable-lease-controller",
+        ));
+    }
+    if args.lease_duration < Duration::from_secs(1) {
+        return Err(invalid(
+            "lease-duration",
+            "must be at least 1s (Leases count whole seconds)",
+        ));
+    }
+    if args.lease_renew_interval.is_zero() || args.lease_renew_interval >= args.lease_duration {
+        return Err(invalid(
+            "lease-renew-interval",
+            format!(
+                "must be greater than 0 and shorter than --lease-duration {:?}",
+                args.lease_duration
+            ),
+        ));
+    }
+    if args.lease_gc_interval.is_zero() {
+        return Err(invalid("lease-gc-interval", "must be greater than 0"));
+    }
+    let kube = KubeEndpoint::from_flag(&args.kubeconfig).map_err(|e| invalid("kubeconfig", e.to_string()))?;
+    Ok(Some(LeaseSettings {
+        kube,
+        namespace: args.lease_namespace.clone(),
+        labels,
+        duration: args.lease_duration,
+        renew_interval: args.lease_renew_interval,
+        gc_interval: args.lease_gc_interval,
+    }))
 }
 
 fn node_frontend(args: &Args) -> Result<Option<NodeFrontend>, ConfigError> {
@@ -497,10 +563,12 @@ impl Args {
                 self.frontend_write_channel_size != 10,
             ),
             ("xfr-channel-size", self.xfr_channel_size != 10),
-            // Without token authentication nothing else here reads it.
+            // Only token authentication and Leases read it.
             (
                 "kubeconfig",
-                !self.kubeconfig.is_empty() && self.agent_namespace.is_empty(),
+                !self.kubeconfig.is_empty()
+                    && self.agent_namespace.is_empty()
+                    && !self.enable_lease_controller,
             ),
             ("kubeconfig-qps", self.kubeconfig_qps != 0.0),
             ("kubeconfig-burst", self.kubeconfig_burst != 0),
@@ -513,9 +581,6 @@ impl Args {
                 "tls-min-version",
                 matches!(self.tls_min_version.as_str(), "VersionTLS10" | "VersionTLS11"),
             ),
-            ("enable-lease-controller", self.enable_lease_controller),
-            ("lease-namespace", self.lease_namespace != "kube-system"),
-            ("lease-label", self.lease_label != "k8s-app=konnectivity-server"),
             ("enable-profiling", self.enable_profiling),
             ("enable-contention-profiling", self.enable_contention_profiling),
             ("admin-port", self.admin_port != 8095),
@@ -549,9 +614,6 @@ mod tests {
             "--kubeconfig-burst=5",
             "--kube-api-content-type=application/json",
             "--cipher-suites=TLS_AES_128_GCM_SHA256",
-            "--enable-lease-controller",
-            "--lease-namespace=x",
-            "--lease-label=a=b",
             "--enable-profiling",
             "--enable-contention-profiling",
             "--admin-port=9000",

@@ -9,6 +9,7 @@ mod backend;
 pub mod config;
 mod frontend;
 mod health;
+mod leases;
 mod metrics;
 mod policy;
 mod token_auth;
@@ -185,6 +186,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         metrics: metrics.clone(),
     });
     let health_task = tokio::spawn(konnectivity_plumbing::http::serve(health, endpoints));
+    // Published once clients can connect, as health is.
+    let lease_controller = config
+        .leases
+        .as_ref()
+        .map(|settings| leases::LeaseController::start(settings, &config.server_id, metrics.clone()));
     tracing::info!(
         server_id = %config.server_id,
         agent_addr = %config.agent_addr,
@@ -220,6 +226,11 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     drop(frontend_task);
     drop(node_task);
     health_task.abort();
+    // Last, as upstream: agents keep counting this server while its
+    // tunnels drain.
+    if let Some(controller) = lease_controller {
+        controller.stop().await;
+    }
     result
 }
 

@@ -1,12 +1,12 @@
 //! The server's Prometheus metrics, under upstream's names
 //! (`konnectivity_network_proxy_server_*`).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub(crate) use konnectivity_plumbing::metrics::Segment;
 use konnectivity_plumbing::metrics::{
-    GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, TunnelsEnded,
-    binary_registry, register,
+    ApiHistograms, ApiLabels, DEFAULT_BUCKETS, GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels,
+    PacketCounters, StreamErrors, TunnelsEnded, binary_registry, register,
 };
 use konnectivity_proto::PacketType;
 use prometheus_client::metrics::family::Family;
@@ -80,8 +80,13 @@ pub struct ServerMetrics {
     /// Ours: CONNECT requests refused before any dial, by HTTP status.
     connect_rejections: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
-    /// Upstream's lease garbage collector's count; 0 until leases exist here.
+    /// The lease garbage collector's (`--enable-lease-controller`): expired
+    /// Leases it deleted, and its list and delete calls by outcome.
     culled_leases: GoCounter,
+    lease_delete_latency: ApiHistograms,
+    lease_deletes: Family<ApiLabels, GoCounter>,
+    lease_list_latency: ApiHistograms,
+    lease_lists: Family<ApiLabels, GoCounter>,
     packets: PacketCounters,
 }
 
@@ -110,6 +115,10 @@ impl Default for ServerMetrics {
             connect_rejections: Family::default(),
             dial_failures: Family::default(),
             culled_leases: GoCounter::default(),
+            lease_delete_latency: Family::new_with_constructor(|| Histogram::new(DEFAULT_BUCKETS)),
+            lease_deletes: Family::default(),
+            lease_list_latency: Family::new_with_constructor(|| Histogram::new(DEFAULT_BUCKETS)),
+            lease_lists: Family::default(),
             packets: PacketCounters::default(),
             registry: Registry::default(),
         };
@@ -188,6 +197,32 @@ impl Default for ServerMetrics {
                 "Count of expired leases that the lease garbage collection controller has culled.",
                 metrics.culled_leases.clone(),
             );
+            // Upstream's texts, its typo ("delection") and the list counter's
+            // copy of the delete counter's text included.
+            register(
+                registry,
+                "lease_delete_latency_seconds",
+                "Latency of lease deletion calls by the garbage collection controller in seconds.",
+                metrics.lease_delete_latency.clone(),
+            );
+            register(
+                registry,
+                "lease_delete_total",
+                "Count of lease delection calls by the garbage collection controller. Labeled by HTTP status code and reason.",
+                metrics.lease_deletes.clone(),
+            );
+            register(
+                registry,
+                "lease_list_latency_seconds",
+                "Latency of lease list calls by the garbage collection controller in seconds.",
+                metrics.lease_list_latency.clone(),
+            );
+            register(
+                registry,
+                "lease_list_total",
+                "Count of lease deletion calls by the garbage collection controller. Labeled by HTTP status code and reason.",
+                metrics.lease_lists.clone(),
+            );
             metrics.packets = PacketCounters::register(registry, Segment::ALL);
             metrics.stream_errors = StreamErrors::register(registry);
             // Ours.
@@ -242,6 +277,27 @@ impl ServerMetrics {
         }
     }
 
+    /// The lease garbage collector deleted an expired Lease.
+    pub fn lease_culled(&self) {
+        self.culled_leases.inc();
+    }
+
+    /// A lease list call of the garbage collector answered `status`.
+    pub fn lease_listed(&self, status: http::StatusCode, reason: &str, took: Duration) {
+        observe_call(&self.lease_lists, &self.lease_list_latency, status, reason, took);
+    }
+
+    /// A lease delete call of the garbage collector answered `status`.
+    pub fn lease_deleted(&self, status: http::StatusCode, reason: &str, took: Duration) {
+        observe_call(
+            &self.lease_deletes,
+            &self.lease_delete_latency,
+            status,
+            reason,
+            took,
+        );
+    }
+
     pub fn dial_failed(&self, reason: DialFailure) {
         self.dial_failures
             .get_or_create(&vec![("reason", reason.label())])
@@ -291,4 +347,25 @@ impl ServerMetrics {
     pub fn packet(&self, segment: Segment, kind: PacketType) {
         self.packets.count(segment, kind);
     }
+}
+
+/// Counts a kube-apiserver call and observes its latency, labelled as
+/// upstream's server labels them (`http_status_code`, `reason`).
+fn observe_call(
+    calls: &Family<ApiLabels, GoCounter>,
+    latency: &ApiHistograms,
+    status: http::StatusCode,
+    reason: &str,
+    took: Duration,
+) {
+    let code = status.as_u16().to_string();
+    calls
+        .get_or_create(&vec![
+            ("http_status_code", code.clone()),
+            ("reason", reason.to_owned()),
+        ])
+        .inc();
+    latency
+        .get_or_create(&vec![("http_status_code", code)])
+        .observe(took.as_secs_f64());
 }

@@ -4,64 +4,18 @@
 //! beside its own kube-apiserver) can reach the cluster.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::TempDir;
+use crate::support::balancer::RoundRobin;
 use crate::support::certs::Pki;
 use crate::support::connect::via_uds;
 use crate::support::procs::{Agent, Server};
 use crate::support::scrape::metric;
 use crate::support::{targets, wait_until};
-use tokio::net::{TcpListener, TcpStream};
 
 const CONNECTED: &str = "konnectivity_network_proxy_server_ready_backend_connections";
 const AGENT_SERVERS: &str = "konnectivity_network_proxy_agent_open_server_connections";
-
-/// A TCP load balancer for the test: round robin over its backends, skipping
-/// one that refuses, bytes copied both ways.
-struct RoundRobin {
-    addr: SocketAddr,
-    backends: Arc<Mutex<Vec<SocketAddr>>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl RoundRobin {
-    async fn start(backends: Vec<SocketAddr>) -> RoundRobin {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let backends = Arc::new(Mutex::new(backends));
-        let shared = backends.clone();
-        let task = tokio::spawn(async move {
-            let mut next = 0usize;
-            while let Ok((mut client, _)) = listener.accept().await {
-                let candidates = shared.lock().unwrap().clone();
-                let start = next;
-                next = next.wrapping_add(1);
-                tokio::spawn(async move {
-                    for i in 0..candidates.len() {
-                        let backend = candidates[(start + i) % candidates.len()];
-                        if let Ok(mut server) = TcpStream::connect(backend).await {
-                            let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        RoundRobin { addr, backends, task }
-    }
-
-    fn add(&self, backend: SocketAddr) {
-        self.backends.lock().unwrap().push(backend);
-    }
-}
-
-impl Drop for RoundRobin {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
 
 async fn server(dir: &TempDir, pki: &Pki, id: &str) -> Server {
     counting_server(dir, pki, id, 3).await

@@ -15,6 +15,7 @@ mod grpc_clients;
 mod ha;
 mod image;
 mod keepalive;
+mod leases;
 mod limits;
 mod logs;
 mod manifests;

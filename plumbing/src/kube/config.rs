@@ -32,8 +32,9 @@ pub enum KubeConfigError {
 }
 
 /// How requests prove who we are, besides a client certificate in the TLS
-/// configuration.
-#[derive(Clone, Debug)]
+/// configuration. Its `Debug` (the start-up log's effective configuration)
+/// names the kind, never the token.
+#[derive(Clone)]
 pub enum Credentials {
     None,
     Token(String),
@@ -41,8 +42,18 @@ pub enum Credentials {
     TokenFile(PathBuf),
 }
 
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credentials::None => f.write_str("None"),
+            Credentials::Token(_) => f.write_str("Token(<redacted>)"),
+            Credentials::TokenFile(path) => f.debug_tuple("TokenFile").field(path).finish(),
+        }
+    }
+}
+
 /// A kube-apiserver endpoint and our credentials for it.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct KubeEndpoint {
     /// `https://host:port` plus any path prefix, without a trailing slash.
     pub server: String,
@@ -117,6 +128,18 @@ struct Context {
     cluster: String,
     #[serde(default)]
     user: String,
+}
+
+/// The server and how we authenticate; rustls' configuration says little
+/// and fills a screen.
+impl std::fmt::Debug for KubeEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeEndpoint")
+            .field("server", &self.server)
+            .field("server_name", &self.server_name)
+            .field("credentials", &self.credentials)
+            .finish_non_exhaustive()
+    }
 }
 
 impl KubeEndpoint {

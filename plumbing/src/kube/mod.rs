@@ -1,8 +1,11 @@
 //! Just enough of a kube-apiserver client for what the proxy needs of it
-//! (TokenReviews): HTTPS with the credentials of a kubeconfig or of the
-//! pod, JSON in and out, one kept-alive connection reused between requests.
+//! (TokenReviews, the servers' Leases): HTTPS with the credentials of a
+//! kubeconfig or of the pod, JSON in and out, one kept-alive connection
+//! reused between requests, and watches on connections of their own.
 
 mod config;
+pub mod lease;
+mod watch;
 
 use std::time::Duration;
 
@@ -17,11 +20,13 @@ use tokio::sync::Mutex;
 use tokio_rustls::TlsConnector;
 
 pub use config::{Credentials, KubeConfigError, KubeEndpoint};
+pub use watch::{WatchEvent, WatchStream};
 
 /// How long one request may take, connection set-up included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// The most of an answer we read; a TokenReview is a few KiB.
-const MAX_ANSWER: usize = 1024 * 1024;
+/// The most of an answer we read; a TokenReview is a few KiB, a list of a
+/// thousand Leases under a MiB.
+const MAX_ANSWER: usize = 4 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeError {
@@ -36,19 +41,39 @@ pub enum KubeError {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
-    #[error("kube-apiserver {server} answered {status} to POST {path}: {body}")]
+    #[error("kube-apiserver {server} answered {status} to {method} {path}: {body}")]
     Status {
         server: String,
+        method: Method,
         path: String,
         status: StatusCode,
+        /// The `reason` of the `Status` object the answer carried (e.g.
+        /// `Conflict`), empty when it carried none.
+        reason: String,
         body: String,
     },
-    #[error("kube-apiserver {server} sent a bad answer to POST {path}: {problem}")]
+    #[error("kube-apiserver {server} sent a bad answer to {method} {path}: {problem}")]
     Answer {
         server: String,
+        method: Method,
         path: String,
         problem: String,
     },
+}
+
+impl KubeError {
+    /// The HTTP status and `Status` reason of an answer that was an error,
+    /// as upstream labels its metrics; `None` when no answer came.
+    pub fn api_status(&self) -> Option<(StatusCode, &str)> {
+        match self {
+            KubeError::Status { status, reason, .. } => Some((*status, reason)),
+            _ => None,
+        }
+    }
+
+    pub fn is_status(&self, wanted: StatusCode) -> bool {
+        self.api_status().is_some_and(|(status, _)| status == wanted)
+    }
 }
 
 pub struct KubeClient {
@@ -77,42 +102,114 @@ impl KubeClient {
         path: &str,
         body: &T,
     ) -> Result<R, KubeError> {
-        let server = || self.endpoint.server.clone();
-        let body = serde_json::to_vec(body).expect("request types serialize");
-        let (status, answer) = tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(path, body.into()))
+        self.call(Method::POST, path, Some(body)).await
+    }
+
+    /// PUTs `body` (an update, with its resourceVersion) to `path`.
+    pub async fn put<T: Serialize, R: DeserializeOwned>(&self, path: &str, body: &T) -> Result<R, KubeError> {
+        self.call(Method::PUT, path, Some(body)).await
+    }
+
+    pub async fn get<R: DeserializeOwned>(&self, path: &str) -> Result<R, KubeError> {
+        self.call(Method::GET, path, None::<&()>).await
+    }
+
+    /// DELETEs `path`, with `options` (a `DeleteOptions`, e.g. with a
+    /// precondition) as the body when given; the answer is not looked at.
+    pub async fn delete<T: Serialize>(&self, path: &str, options: Option<&T>) -> Result<(), KubeError> {
+        self.call::<T, serde::de::IgnoredAny>(Method::DELETE, path, options)
             .await
-            .map_err(|_| KubeError::Timeout { server: server() })??;
+            .map(|_| ())
+    }
+
+    /// One request whose 2xx answer is decoded as `R`; any other status is
+    /// a [`KubeError::Status`] carrying the answer's reason.
+    async fn call<T: Serialize, R: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&T>,
+    ) -> Result<R, KubeError> {
+        let server = || self.endpoint.server.clone();
+        let body = body.map(|body| serde_json::to_vec(body).expect("request types serialize"));
+        let (status, answer) =
+            tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(method.clone(), path, body))
+                .await
+                .map_err(|_| KubeError::Timeout { server: server() })??;
         if !status.is_success() {
-            return Err(KubeError::Status {
-                server: server(),
-                path: path.to_owned(),
-                status,
-                body: String::from_utf8_lossy(&answer[..answer.len().min(512)]).into_owned(),
-            });
+            return Err(status_error(server(), method, path, status, &answer));
         }
         serde_json::from_slice(&answer).map_err(|e| KubeError::Answer {
             server: server(),
+            method,
             path: path.to_owned(),
             problem: e.to_string(),
         })
     }
 
-    async fn exchange(&self, path: &str, body: Bytes) -> Result<(StatusCode, Bytes), KubeError> {
+    /// Starts a watch (`path` with `watch=true` in its query) on a
+    /// connection of its own, which the watch holds until it is dropped.
+    pub async fn watch(&self, path: &str) -> Result<WatchStream, KubeError> {
+        let server = || self.endpoint.server.clone();
+        let request = self.request(Method::GET, path, None).await?;
+        let started = async {
+            let mut sender = self.connect().await?;
+            sender
+                .send_request(request)
+                .await
+                .map_err(|source| KubeError::Http {
+                    server: server(),
+                    source,
+                })
+        };
+        let response = tokio::time::timeout(REQUEST_TIMEOUT, started)
+            .await
+            .map_err(|_| KubeError::Timeout { server: server() })??;
+        let status = response.status();
+        if !status.is_success() {
+            let body = http_body_util::Limited::new(response.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map(|collected| collected.to_bytes())
+                .unwrap_or_default();
+            return Err(status_error(server(), Method::GET, path, status, &body));
+        }
+        Ok(WatchStream::new(server(), path.to_owned(), response.into_body()))
+    }
+
+    async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<Request<Full<Bytes>>, KubeError> {
         let mut request = Request::builder()
-            .method(Method::POST)
+            .method(method)
             .uri(format!("{}{path}", self.endpoint.path_prefix))
             .header(header::HOST, self.authority())
-            .header(header::CONTENT_TYPE, "application/json")
             .header(header::ACCEPT, "application/json")
             .header(
                 header::USER_AGENT,
                 concat!("konnectivity-rs/", env!("CARGO_PKG_VERSION")),
             );
+        if body.is_some() {
+            request = request.header(header::CONTENT_TYPE, "application/json");
+        }
         if let Some(token) = self.token().await? {
             request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
         }
-        let request = request.body(Full::new(body)).expect("a valid request");
+        Ok(request
+            .body(Full::new(body.map(Bytes::from).unwrap_or_default()))
+            .expect("a valid request"))
+    }
 
+    async fn exchange(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(StatusCode, Bytes), KubeError> {
+        let request = self.request(method.clone(), path, body).await?;
         let idle = self.idle.lock().await.take();
         let mut sender = match idle {
             Some(sender) if sender.is_ready() => sender,
@@ -129,6 +226,7 @@ impl KubeClient {
             .await
             .map_err(|e| KubeError::Answer {
                 server: self.endpoint.server.clone(),
+                method,
                 path: path.to_owned(),
                 problem: e.to_string(),
             })?
@@ -192,5 +290,26 @@ impl KubeClient {
             }
         });
         Ok(sender)
+    }
+}
+
+/// The error for a non-2xx answer: kube-apiserver sends a `Status` object
+/// whose `reason` (`NotFound`, `Conflict`, …) upstream's metrics carry.
+fn status_error(server: String, method: Method, path: &str, status: StatusCode, body: &[u8]) -> KubeError {
+    #[derive(serde::Deserialize)]
+    struct ApiStatus {
+        #[serde(default)]
+        reason: String,
+    }
+    let reason = serde_json::from_slice::<ApiStatus>(body)
+        .map(|s| s.reason)
+        .unwrap_or_default();
+    KubeError::Status {
+        server,
+        method,
+        path: path.to_owned(),
+        status,
+        reason,
+        body: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
     }
 }

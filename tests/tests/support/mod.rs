@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+pub mod balancer;
 pub mod certs;
 pub mod cluster;
 pub mod connect;
@@ -12,6 +13,7 @@ pub mod grpc;
 pub mod h2_raw;
 pub mod image;
 pub mod kas;
+pub mod kube_api;
 pub mod netns;
 pub mod procs;
 pub mod scrape;

@@ -1,0 +1,259 @@
+//! Server Leases: proxy-servers publish a coordination.k8s.io/v1 Lease each
+//! (`--enable-lease-controller`), agents count the valid ones
+//! (`--count-server-leases`) to learn how many servers to hold, and servers
+//! delete the expired ones. Against the stand-in kube-apiserver of
+//! `support::kube_api` (HTTPS, resourceVersion conflicts, label selectors,
+//! watches), since a real one cannot be had here.
+//!
+//! Every server here announces `--server-count=1`: an agent that holds two
+//! streams can only have learned the 2 from the Leases.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::support::balancer::RoundRobin;
+use crate::support::certs::Pki;
+use crate::support::kube_api::KubeApi;
+use crate::support::procs::{Agent, Server};
+use crate::support::scrape::metric;
+use crate::support::{TempDir, wait_until};
+
+const NAMESPACE: &str = "kube-system";
+const KNOWN: &str = "konnectivity_network_proxy_agent_known_server_count";
+const HELD: &str = "konnectivity_network_proxy_agent_open_server_connections";
+const CULLED: &str = "konnectivity_network_proxy_server_culled_leases_count";
+
+fn lease_name(server: &str) -> String {
+    format!("konnectivity-proxy-server-{server}")
+}
+
+async fn lease_server(
+    dir: &TempDir,
+    pki: &Pki,
+    kubeconfig: &std::path::Path,
+    id: &str,
+    duration: &str,
+) -> Server {
+    let extra = [
+        format!("--server-id={id}"),
+        "--server-count=1".to_owned(),
+        "--enable-lease-controller".to_owned(),
+        format!("--kubeconfig={}", kubeconfig.display()),
+        format!("--lease-duration={duration}"),
+        "--lease-renew-interval=1s".to_owned(),
+        "--lease-gc-interval=1s".to_owned(),
+    ];
+    Server::start(dir.path(), pki, "http-connect", true, &extra).await
+}
+
+fn counting_agent(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, port: u16) -> Agent {
+    Agent::start(
+        dir.path(),
+        pki,
+        port,
+        "agent-1",
+        &[
+            "--count-server-leases".to_owned(),
+            format!("--kubeconfig={}", kubeconfig.display()),
+            "--probe-interval=200ms".to_owned(),
+        ],
+    )
+}
+
+fn agent_address(server: &Server) -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], server.agent_port))
+}
+
+fn renew_time(lease: &Value) -> String {
+    lease["spec"]["renewTime"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
+    let dir = TempDir::new("konn-leases");
+    let pki = Pki::new(dir.path());
+    let api = KubeApi::start(&pki).await;
+    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let mut first = lease_server(&dir, &pki, &kubeconfig, "server-1", "4s").await;
+    let mut second = lease_server(&dir, &pki, &kubeconfig, "server-2", "4s").await;
+
+    // Each server holds its Lease as upstream names and labels it.
+    wait_until(Duration::from_secs(10), "both server Leases", || async {
+        api.lease_names(NAMESPACE).len() == 2
+    })
+    .await;
+    let lease = api.lease(NAMESPACE, &lease_name("server-1")).unwrap();
+    assert_eq!(
+        lease["metadata"]["labels"],
+        serde_json::json!({"k8s-app": "konnectivity-server"})
+    );
+    assert_eq!(lease["spec"]["holderIdentity"], "server-1");
+    assert_eq!(lease["spec"]["leaseDurationSeconds"], 4);
+    // MicroTime: six fractional digits, UTC, as Go's parser wants.
+    let renewed = renew_time(&lease);
+    assert!(
+        renewed.len() == "2026-01-01T00:00:00.000000Z".len() && renewed.ends_with('Z'),
+        "{renewed}"
+    );
+    // ...and renews it.
+    wait_until(Duration::from_secs(5), "a renewal", || async {
+        api.lease(NAMESPACE, &lease_name("server-1"))
+            .is_some_and(|lease| renew_time(&lease) > renewed)
+    })
+    .await;
+
+    let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
+    let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
+    let agent_port = agent.health_port;
+    wait_until(
+        Duration::from_secs(20),
+        "the agent to count and hold 2 servers",
+        || async {
+            metric(agent_port, KNOWN).await == Some(2.0) && metric(agent_port, HELD).await == Some(2.0)
+        },
+    )
+    .await;
+    let lists = "konnectivity_network_proxy_agent_lease_lists_total{http_response_code=\"200\",reason=\"\"}";
+    let watches =
+        "konnectivity_network_proxy_agent_lease_watches_total{http_response_code=\"200\",reason=\"\"}";
+    assert!(metric(agent_port, lists).await >= Some(1.0));
+    assert!(metric(agent_port, watches).await >= Some(1.0));
+    assert!(api.calls("GET watch") >= 1, "the agent watches rather than polls");
+    // The effective configuration is logged at start-up, the kubeconfig's
+    // token is not.
+    for log in [first.proc.log_text(), agent.proc.log_text()] {
+        assert!(log.contains("effective configuration"));
+        assert!(!log.contains(crate::support::kube_api::TOKEN), "{log}");
+    }
+
+    // A server dies without deleting its Lease: the agent counts one server
+    // once the Lease expires, and the survivor deletes it.
+    second.proc.kill();
+    wait_until(Duration::from_secs(10), "the agent to count 1 server", || async {
+        metric(agent_port, KNOWN).await == Some(1.0)
+    })
+    .await;
+    wait_until(Duration::from_secs(10), "the expired Lease deleted", || async {
+        api.lease_names(NAMESPACE) == vec![lease_name("server-1")]
+    })
+    .await;
+    let server_port = first.health_port;
+    assert_eq!(metric(server_port, CULLED).await, Some(1.0));
+    let deletes =
+        "konnectivity_network_proxy_server_lease_delete_total{http_status_code=\"200\",reason=\"\"}";
+    assert_eq!(metric(server_port, deletes).await, Some(1.0));
+    let lists = "konnectivity_network_proxy_server_lease_list_total{http_status_code=\"200\",reason=\"\"}";
+    assert!(metric(server_port, lists).await >= Some(1.0));
+
+    // A server that stops cleanly deletes its own Lease.
+    first.proc.signal("TERM");
+    assert!(first.proc.wait_exit(Duration::from_secs(15)).await.is_some());
+    assert_eq!(api.lease_names(NAMESPACE), Vec::<String>::new());
+    assert!(first.proc.log_text().contains("deleting the server Lease"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_that_cannot_renew() {
+    let dir = TempDir::new("konn-leases");
+    let pki = Pki::new(dir.path());
+    let mut api = KubeApi::start(&pki).await;
+    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s").await;
+    let second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s").await;
+    let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
+    let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
+    let agent_port = agent.health_port;
+    wait_until(
+        Duration::from_secs(20),
+        "the agent to count 2 servers",
+        || async {
+            metric(agent_port, KNOWN).await == Some(2.0) && metric(agent_port, HELD).await == Some(2.0)
+        },
+    )
+    .await;
+
+    // From here on, the count is sampled all along: it must not flap.
+    let lowest = Arc::new(AtomicU64::new(2));
+    let sampler = {
+        let lowest = lowest.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Some(count) = metric(agent_port, KNOWN).await {
+                    lowest.fetch_min(count as u64, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    // Someone else changes server-1's Lease: its next renewal is refused
+    // with 409 Conflict; it reads the Lease again and renews that.
+    let name = lease_name("server-1");
+    let updates = api.calls("PUT update");
+    api.touch(NAMESPACE, &name);
+    let touched = api.lease(NAMESPACE, &name).unwrap();
+    wait_until(Duration::from_secs(5), "a renewal after the conflict", || async {
+        api.lease(NAMESPACE, &name).is_some_and(|lease| {
+            renew_time(&lease) > renew_time(&touched)
+                && lease["metadata"]["annotations"]["touched-by"] == "test"
+        })
+    })
+    .await;
+    assert!(
+        api.calls("GET get") >= 1,
+        "the conflict made the server read the Lease again"
+    );
+    assert!(api.calls("PUT update") >= updates + 2);
+
+    // kube-apiserver goes away for 3 s (less than the Leases' 8 s) and comes
+    // back with its store: renewals resume, the agent lists and watches
+    // again, and its count stays 2 throughout.
+    let agent_lists =
+        "konnectivity_network_proxy_agent_lease_lists_total{http_response_code=\"200\",reason=\"\"}";
+    let lists_before = metric(agent_port, agent_lists).await.unwrap();
+    api.stop();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let stale = renew_time(&api.lease(NAMESPACE, &name).unwrap());
+    api.restart().await;
+    wait_until(Duration::from_secs(10), "renewals after the restart", || async {
+        api.lease(NAMESPACE, &name)
+            .is_some_and(|lease| renew_time(&lease) > stale)
+    })
+    .await;
+    wait_until(Duration::from_secs(10), "the agent to list again", || async {
+        metric(agent_port, agent_lists).await > Some(lists_before)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        lowest.load(Ordering::Relaxed),
+        2,
+        "the agent's server count flapped"
+    );
+    assert_eq!(api.lease_names(NAMESPACE).len(), 2);
+    sampler.abort();
+
+    // server-2 stays up but cannot renew: once its Lease expires the agent
+    // counts 1 (it keeps the stream it holds), and server-1 deletes the Lease.
+    api.refuse_updates(&lease_name("server-2"));
+    wait_until(Duration::from_secs(15), "the agent to count 1 server", || async {
+        metric(agent_port, KNOWN).await == Some(1.0)
+    })
+    .await;
+    wait_until(Duration::from_secs(5), "the expired Lease deleted", || async {
+        !api.lease_names(NAMESPACE).contains(&lease_name("server-2"))
+    })
+    .await;
+    let culled = metric(first.health_port, CULLED).await.unwrap_or(0.0)
+        + metric(second.health_port, CULLED).await.unwrap_or(0.0);
+    assert!(culled >= 1.0, "{culled}");
+    assert!(
+        second
+            .proc
+            .log_text()
+            .contains("could not renew the server Lease")
+    );
+}

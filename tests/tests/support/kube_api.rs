@@ -1,0 +1,519 @@
+//! A stand-in kube-apiserver for coordination.k8s.io/v1 Leases over HTTPS,
+//! as the real one serves them (a real kube-apiserver cannot be had here):
+//! one resourceVersion sequence for every change, updates and deletions
+//! refused with 409 Conflict when their resourceVersion is not the stored
+//! one, `labelSelector` (equality terms) on lists and watches, watches
+//! streamed as one JSON event per line from a resourceVersion on, and
+//! `Status` objects with kube-apiserver's reasons on errors. It checks the
+//! caller's bearer token (401 otherwise) and counts the calls.
+//!
+//! It can go away and come back on the same port with what it stored, as a
+//! restarted kube-apiserver does (its store is etcd), and can refuse one
+//! Lease's updates, as when a server cannot reach it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{broadcast, mpsc};
+use tokio::task::JoinSet;
+
+use super::certs::Pki;
+
+/// The token callers must present (from the kubeconfig below).
+pub const TOKEN: &str = "lease-client-secret";
+
+const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/";
+
+type Body = BoxBody<Bytes, Infallible>;
+
+#[derive(Default)]
+struct Store {
+    /// By (namespace, name).
+    leases: BTreeMap<(String, String), Value>,
+    /// The last resourceVersion handed out.
+    version: u64,
+    /// Every change so far, for watches that start from a version.
+    changes: Vec<Change>,
+    /// Names whose updates are answered 500 (a server that cannot renew).
+    refused_updates: Vec<String>,
+    /// Calls by "METHOD kind" (kind: list, watch, get, create, update, delete).
+    calls: HashMap<String, usize>,
+}
+
+#[derive(Clone)]
+struct Change {
+    version: u64,
+    kind: &'static str,
+    namespace: String,
+    object: Value,
+}
+
+pub struct KubeApi {
+    pub port: u16,
+    store: Arc<Mutex<Store>>,
+    changes: broadcast::Sender<Change>,
+    tls: tokio_rustls::TlsAcceptor,
+    /// The listener and every connection, while serving.
+    serving: Option<JoinSet<()>>,
+}
+
+impl Drop for KubeApi {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl KubeApi {
+    pub async fn start(pki: &Pki) -> KubeApi {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut api = KubeApi {
+            port,
+            store: Arc::default(),
+            changes: broadcast::channel(4096).0,
+            tls: tokio_rustls::TlsAcceptor::from(pki.server_tls(&pki.server)),
+            serving: None,
+        };
+        api.serve(listener);
+        api
+    }
+
+    /// Goes away: the port refuses, open connections (watches) are cut.
+    pub fn stop(&mut self) {
+        if let Some(mut serving) = self.serving.take() {
+            serving.abort_all();
+        }
+    }
+
+    /// Comes back on the same port with what it stored.
+    pub async fn restart(&mut self) {
+        self.stop();
+        let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
+        let listener = TcpListener::bind(addr).await.unwrap();
+        self.serve(listener);
+    }
+
+    fn serve(&mut self, listener: TcpListener) {
+        let mut serving = JoinSet::new();
+        let (connections_tx, mut connections) = mpsc::unbounded_channel();
+        let (store, changes, tls) = (self.store.clone(), self.changes.clone(), self.tls.clone());
+        serving.spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let _ = connections_tx.send(tcp);
+            }
+        });
+        // Connections run in a set this task owns, so that stopping cuts them too.
+        let set = Arc::new(Mutex::new(JoinSet::new()));
+        let held = set.clone();
+        serving.spawn(async move {
+            let _held = held;
+            while let Some(tcp) = connections.recv().await {
+                let (store, changes, tls) = (store.clone(), changes.clone(), tls.clone());
+                set.lock().unwrap().spawn(async move {
+                    let Ok(stream) = tls.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(move |request| {
+                        let (store, changes) = (store.clone(), changes.clone());
+                        async move { Ok::<_, Infallible>(handle(request, &store, &changes).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        self.serving = Some(serving);
+    }
+
+    /// A kubeconfig for proxy-server or proxy-agent pointing at this stand-in.
+    pub fn kubeconfig(&self, dir: &Path, pki: &Pki) -> PathBuf {
+        let path = dir.join("leases.kubeconfig");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: standin\n\
+             clusters:\n- name: standin\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {ca}\n\
+             users:\n- name: konnectivity\n  user:\n    token: {TOKEN}\n\
+             contexts:\n- name: standin\n  context:\n    cluster: standin\n    user: konnectivity\n",
+            port = self.port,
+            ca = pki.ca.display(),
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// The stored Lease, if any.
+    pub fn lease(&self, namespace: &str, name: &str) -> Option<Value> {
+        let store = self.store.lock().unwrap();
+        store
+            .leases
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
+    /// The names of the stored Leases of `namespace`.
+    pub fn lease_names(&self, namespace: &str) -> Vec<String> {
+        let store = self.store.lock().unwrap();
+        store
+            .leases
+            .keys()
+            .filter(|(ns, _)| ns == namespace)
+            .map(|(_, name)| name.clone())
+            .collect()
+    }
+
+    /// Changes a stored Lease as another client would (a new
+    /// resourceVersion), so that the holder's next update conflicts.
+    pub fn touch(&self, namespace: &str, name: &str) {
+        let mut store = self.store.lock().unwrap();
+        let version = next_version(&mut store);
+        let key = (namespace.to_owned(), name.to_owned());
+        let lease = store.leases.get_mut(&key).expect("the Lease exists");
+        lease["metadata"]["resourceVersion"] = json!(version.to_string());
+        lease["metadata"]["annotations"] = json!({"touched-by": "test"});
+        let object = lease.clone();
+        record(&mut store, &self.changes, "MODIFIED", namespace, object, version);
+    }
+
+    /// Answers 500 to every update of this Lease from now on.
+    pub fn refuse_updates(&self, name: &str) {
+        self.store.lock().unwrap().refused_updates.push(name.to_owned());
+    }
+
+    /// How many calls of this kind were made ("PUT update", "GET watch", ...).
+    pub fn calls(&self, call: &str) -> usize {
+        self.store.lock().unwrap().calls.get(call).copied().unwrap_or(0)
+    }
+}
+
+fn next_version(store: &mut Store) -> u64 {
+    store.version += 1;
+    store.version
+}
+
+fn record(
+    store: &mut Store,
+    changes: &broadcast::Sender<Change>,
+    kind: &'static str,
+    namespace: &str,
+    object: Value,
+    version: u64,
+) {
+    let change = Change {
+        version,
+        kind,
+        namespace: namespace.to_owned(),
+        object,
+    };
+    store.changes.push(change.clone());
+    let _ = changes.send(change);
+}
+
+fn full(value: &Value) -> Body {
+    Full::new(Bytes::from(value.to_string())).boxed()
+}
+
+fn answer(status: StatusCode, value: Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(full(&value))
+        .unwrap()
+}
+
+/// A `Status` error as kube-apiserver sends it.
+fn failure(status: StatusCode, reason: &str, message: String) -> Response<Body> {
+    answer(
+        status,
+        json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {},
+            "status": "Failure", "message": message, "reason": reason,
+            "code": status.as_u16(),
+        }),
+    )
+}
+
+/// Whether `labels` satisfy every `key=value` term of `selector`.
+fn matches(selector: &str, labels: &Value) -> bool {
+    selector.split(',').filter(|term| !term.is_empty()).all(|term| {
+        let (key, value) = term.split_once('=').expect("equality terms only");
+        let value = value.trim_start_matches('=');
+        labels.get(key).and_then(Value::as_str) == Some(value)
+    })
+}
+
+fn query(request: &Request<Incoming>) -> HashMap<String, String> {
+    request
+        .uri()
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(key, value)| (key.to_owned(), percent_decode(value)))
+        .collect()
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
+            out.push(u8::from_str_radix(hex, 16).unwrap());
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+async fn handle(
+    request: Request<Incoming>,
+    store: &Arc<Mutex<Store>>,
+    changes: &broadcast::Sender<Change>,
+) -> Response<Body> {
+    let authorized = request
+        .headers()
+        .get("authorization")
+        .is_some_and(|value| value == format!("Bearer {TOKEN}").as_str());
+    if !authorized {
+        return failure(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "Unauthorized".to_owned(),
+        );
+    }
+    let path = request.uri().path().to_owned();
+    let Some(rest) = path.strip_prefix(LEASES) else {
+        return failure(StatusCode::NOT_FOUND, "NotFound", format!("no route {path}"));
+    };
+    let (namespace, rest) = rest.split_once('/').unwrap_or((rest, ""));
+    let namespace = namespace.to_owned();
+    let name = match rest {
+        "leases" => None,
+        _ => match rest.strip_prefix("leases/") {
+            Some(name) => Some(name.to_owned()),
+            None => return failure(StatusCode::NOT_FOUND, "NotFound", format!("no route {path}")),
+        },
+    };
+    let query = query(&request);
+    let method = request.method().clone();
+    let body = request.into_body().collect().await.unwrap().to_bytes();
+    let body: Value = if body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&body).unwrap_or(Value::Null)
+    };
+    let selector = query.get("labelSelector").cloned().unwrap_or_default();
+    let call = |kind: &str| {
+        *store
+            .lock()
+            .unwrap()
+            .calls
+            .entry(format!("{method} {kind}"))
+            .or_default() += 1;
+    };
+    match (&method, name) {
+        (&Method::GET, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
+            call("watch");
+            let from: u64 = query
+                .get("resourceVersion")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            watch(store, changes, namespace, selector, from)
+        }
+        (&Method::GET, None) => {
+            call("list");
+            let store = store.lock().unwrap();
+            let items: Vec<Value> = store
+                .leases
+                .iter()
+                .filter(|((ns, _), lease)| {
+                    *ns == namespace && matches(&selector, &lease["metadata"]["labels"])
+                })
+                .map(|(_, lease)| lease.clone())
+                .collect();
+            answer(
+                StatusCode::OK,
+                json!({
+                    "kind": "LeaseList", "apiVersion": "coordination.k8s.io/v1",
+                    "metadata": {"resourceVersion": store.version.to_string()},
+                    "items": items,
+                }),
+            )
+        }
+        (&Method::GET, Some(name)) => {
+            call("get");
+            match store.lock().unwrap().leases.get(&(namespace, name.clone())) {
+                Some(lease) => answer(StatusCode::OK, lease.clone()),
+                None => not_found(&name),
+            }
+        }
+        (&Method::POST, None) => {
+            call("create");
+            let mut store = store.lock().unwrap();
+            let mut lease = body;
+            assert_eq!(lease["kind"], "Lease", "{lease}");
+            assert_eq!(lease["apiVersion"], "coordination.k8s.io/v1", "{lease}");
+            let name = lease["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+            let key = (namespace.clone(), name.clone());
+            if store.leases.contains_key(&key) {
+                return failure(
+                    StatusCode::CONFLICT,
+                    "AlreadyExists",
+                    format!("leases.coordination.k8s.io \"{name}\" already exists"),
+                );
+            }
+            let version = next_version(&mut store);
+            lease["metadata"]["resourceVersion"] = json!(version.to_string());
+            lease["metadata"]["namespace"] = json!(namespace);
+            lease["metadata"]["uid"] = json!(format!("uid-{version}"));
+            store.leases.insert(key, lease.clone());
+            record(&mut store, changes, "ADDED", &namespace, lease.clone(), version);
+            answer(StatusCode::CREATED, lease)
+        }
+        (&Method::PUT, Some(name)) => {
+            call("update");
+            let mut store = store.lock().unwrap();
+            if store.refused_updates.contains(&name) {
+                return failure(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "InternalError",
+                    "refused by the test".to_owned(),
+                );
+            }
+            let key = (namespace.clone(), name.clone());
+            let Some(stored) = store.leases.get(&key) else {
+                return not_found(&name);
+            };
+            let mut lease = body;
+            let given = lease["metadata"]["resourceVersion"].as_str().unwrap_or_default();
+            if given != stored["metadata"]["resourceVersion"].as_str().unwrap_or_default() {
+                return conflict(&name);
+            }
+            let uid = stored["metadata"]["uid"].clone();
+            let version = next_version(&mut store);
+            lease["metadata"]["resourceVersion"] = json!(version.to_string());
+            lease["metadata"]["uid"] = uid;
+            store.leases.insert(key, lease.clone());
+            record(
+                &mut store,
+                changes,
+                "MODIFIED",
+                &namespace,
+                lease.clone(),
+                version,
+            );
+            answer(StatusCode::OK, lease)
+        }
+        (&Method::DELETE, Some(name)) => {
+            call("delete");
+            let mut store = store.lock().unwrap();
+            let key = (namespace.clone(), name.clone());
+            let Some(stored) = store.leases.get(&key) else {
+                return not_found(&name);
+            };
+            if let Some(wanted) = body["preconditions"]["resourceVersion"].as_str()
+                && wanted != stored["metadata"]["resourceVersion"].as_str().unwrap_or_default()
+            {
+                return conflict(&name);
+            }
+            let mut lease = store.leases.remove(&key).unwrap();
+            let version = next_version(&mut store);
+            lease["metadata"]["resourceVersion"] = json!(version.to_string());
+            record(&mut store, changes, "DELETED", &namespace, lease, version);
+            answer(
+                StatusCode::OK,
+                json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}),
+            )
+        }
+        _ => failure(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            format!("{method} {path}"),
+        ),
+    }
+}
+
+fn not_found(name: &str) -> Response<Body> {
+    failure(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        format!("leases.coordination.k8s.io \"{name}\" not found"),
+    )
+}
+
+fn conflict(name: &str) -> Response<Body> {
+    failure(
+        StatusCode::CONFLICT,
+        "Conflict",
+        format!(
+            "Operation cannot be fulfilled on leases.coordination.k8s.io \"{name}\": the object has been modified; please apply your changes to the latest version and try again"
+        ),
+    )
+}
+
+/// A watch: the changes after `from` that match, then each new one, one
+/// JSON event per line, until the client goes or the stand-in stops.
+fn watch(
+    store: &Arc<Mutex<Store>>,
+    changes: &broadcast::Sender<Change>,
+    namespace: String,
+    selector: String,
+    from: u64,
+) -> Response<Body> {
+    let (events, body) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
+    // Subscribed before reading the past, so nothing falls in between.
+    let mut live = changes.subscribe();
+    let past: Vec<Change> = store
+        .lock()
+        .unwrap()
+        .changes
+        .iter()
+        .filter(|change| change.version > from)
+        .cloned()
+        .collect();
+    tokio::spawn(async move {
+        let mut last = from;
+        let event = |change: &Change| {
+            let line = json!({"type": change.kind, "object": change.object}).to_string() + "\n";
+            Ok(Frame::data(Bytes::from(line)))
+        };
+        let wanted = |change: &Change| {
+            change.namespace == namespace && matches(&selector, &change.object["metadata"]["labels"])
+        };
+        for change in past {
+            last = change.version;
+            if wanted(&change) && events.send(event(&change)).await.is_err() {
+                return;
+            }
+        }
+        while let Ok(change) = live.recv().await {
+            if change.version <= last {
+                continue;
+            }
+            last = change.version;
+            if wanted(&change) && events.send(event(&change)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(BodyExt::boxed(StreamBody::new(
+            tokio_stream::wrappers::ReceiverStream::new(body),
+        )))
+        .unwrap()
+}
