@@ -403,6 +403,74 @@ fn egress_pieces_agree_with_each_other_and_with_kube_apiserver() {
         "token auth excludes --cluster-ca-cert"
     );
 
+    // Leases: the server may keep its own and delete expired ones, the
+    // agents may list and watch them, in the namespace both name.
+    assert_eq!(server.flag("enable-lease-controller"), Some("true"));
+    assert_eq!(agent.flag("count-server-leases"), Some("true"));
+    let namespace = server.flag_or("lease-namespace", "kube-system");
+    assert_eq!(agent.flag_or("lease-namespace", "kube-system"), namespace);
+    let granted = |subject_kind: &str, subject_name: &str| -> Vec<String> {
+        let bindings = cluster.iter().filter(|o| {
+            o["kind"] == "RoleBinding"
+                && o["metadata"]["namespace"] == namespace.as_str()
+                && o["subjects"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|s| s["kind"] == subject_kind && s["name"] == subject_name)
+        });
+        let mut verbs = Vec::new();
+        for binding in bindings {
+            let role = cluster
+                .iter()
+                .find(|o| {
+                    o["kind"] == "Role"
+                        && o["metadata"]["name"] == binding["roleRef"]["name"]
+                        && o["metadata"]["namespace"] == namespace.as_str()
+                })
+                .expect("the binding's Role");
+            for rule in role["rules"].as_array().unwrap() {
+                let on_leases = rule["apiGroups"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|g| g == "coordination.k8s.io")
+                    && rule["resources"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|r| r == "leases");
+                if on_leases {
+                    verbs.extend(
+                        rule["verbs"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.as_str().unwrap().to_owned()),
+                    );
+                }
+            }
+        }
+        verbs
+    };
+    let server_verbs = granted("User", "system:konnectivity-server");
+    for verb in ["get", "list", "create", "update", "delete"] {
+        assert!(
+            server_verbs.iter().any(|v| v == verb),
+            "server may not {verb} leases: {server_verbs:?}"
+        );
+    }
+    let agent_verbs = granted(
+        "ServiceAccount",
+        agent.pod["serviceAccountName"].as_str().unwrap(),
+    );
+    for verb in ["list", "watch"] {
+        assert!(
+            agent_verbs.iter().any(|v| v == verb),
+            "agents may not {verb} leases: {agent_verbs:?}"
+        );
+    }
+
     // kube-apiserver's egress selector dials the server's socket, in the
     // mode it serves.
     let selector: Value = serde_yaml_ng::from_str(
