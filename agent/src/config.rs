@@ -34,7 +34,10 @@ pub struct Args {
     /// CA that the server's certificate must chain to; empty uses the system's roots.
     #[arg(long, default_value = "")]
     pub ca_cert: String,
-    /// Host of the proxy-server's agent port.
+    /// Host of the proxy-server's agent port: one address (a server, or a load balancer
+    /// in front of several), or several, comma-separated, each a server the agent dials
+    /// directly and holds a stream to (see --dial-every-address). An entry may carry its
+    /// own port (host:port, [v6]:port); --proxy-server-port is the default.
     #[arg(long, default_value = "127.0.0.1")]
     pub proxy_server_host: String,
     /// The proxy-server's agent port.
@@ -127,6 +130,14 @@ pub struct Args {
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub warn_on_channel_limit: bool,
+    /// Dial every address --proxy-server-host resolves to and hold a stream to each (a
+    /// headless Service's name, whose records are the servers), looking the names up
+    /// again every --sync-interval-cap; instead of dialing the one name until every
+    /// server was met. On by itself when --proxy-server-host lists several hosts.
+    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = ArgAction::Set,
+          help_heading = "konnectivity-rs additions")]
+    pub dial_every_address: bool,
     /// Most connections to endpoints open at once (dials included), over all server
     /// streams; one more dial is answered with an error naming this flag. 0: no limit.
     #[arg(long, default_value_t = 0, help_heading = "konnectivity-rs additions")]
@@ -271,7 +282,13 @@ fn parse_mark(text: &str) -> Result<u32, String> {
 
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// The first of `server_hosts`: the node role's server.
     pub server_host: String,
+    /// `--proxy-server-host`, split at commas, each with its port.
+    pub server_hosts: Vec<ServerAddress>,
+    /// Dial every address of `server_hosts` (`--dial-every-address`, or
+    /// several hosts given).
+    pub dial_every_address: bool,
     pub server_port: u16,
     pub ca_cert: Option<PemFile>,
     pub identity: Option<Identity>,
@@ -297,6 +314,57 @@ pub struct Config {
     pub lease_counting: Option<LeaseCounting>,
     /// `--server-count-source=max`.
     pub server_count_max: bool,
+}
+
+/// One entry of `--proxy-server-host`: a host name or address, and the
+/// port of its agent listener.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerAddress {
+    /// A name, or an IP address without brackets.
+    pub host: String,
+    pub port: u16,
+}
+
+impl ServerAddress {
+    /// `host`, `host:port`, `[v6]:port`, `[v6]` or a bare IPv6 address
+    /// (more than one colon: no port).
+    fn parse(entry: &str, default_port: u16) -> Result<ServerAddress, String> {
+        let bad = |why: &str| format!("{entry:?}: {why}");
+        let port = |text: &str| {
+            text.parse::<u16>()
+                .ok()
+                .filter(|port| *port != 0)
+                .ok_or_else(|| bad("the port must be a number from 1 to 65535"))
+        };
+        let (host, port) = if let Some(rest) = entry.strip_prefix('[') {
+            let (host, after) = rest.split_once(']').ok_or_else(|| bad("no closing ]"))?;
+            match after {
+                "" => (host, default_port),
+                _ => (
+                    host,
+                    port(
+                        after
+                            .strip_prefix(':')
+                            .ok_or_else(|| bad("expected :port after ]"))?,
+                    )?,
+                ),
+            }
+        } else if entry.matches(':').count() == 1 {
+            let (host, text) = entry.split_once(':').expect("one colon");
+            (host, port(text)?)
+        } else {
+            (entry, default_port)
+        };
+        if host.is_empty() {
+            return Err(bad(
+                "every host must be non-empty (several are separated by commas)",
+            ));
+        }
+        Ok(ServerAddress {
+            host: host.to_owned(),
+            port,
+        })
+    }
 }
 
 /// Upstream servers allow a ping every 30s at most (gRPC keepalive
@@ -332,9 +400,12 @@ impl Config {
                 return Err(invalid("agent-cert", "must be set when --agent-key is"));
             }
         };
-        if args.proxy_server_host.is_empty() {
-            return Err(invalid("proxy-server-host", "must not be empty"));
-        }
+        let server_hosts = args
+            .proxy_server_host
+            .split(',')
+            .map(|entry| ServerAddress::parse(entry.trim(), args.proxy_server_port))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|problem| invalid("proxy-server-host", problem))?;
         if args.proxy_server_port == 0 {
             return Err(invalid("proxy-server-port", "must not be 0"));
         }
@@ -406,8 +477,10 @@ impl Config {
             args.agent_id.clone()
         };
         Ok(Config {
-            server_host: args.proxy_server_host.clone(),
-            server_port: args.proxy_server_port,
+            server_host: server_hosts[0].host.clone(),
+            server_port: server_hosts[0].port,
+            dial_every_address: args.dial_every_address || server_hosts.len() > 1,
+            server_hosts,
             ca_cert: pem_file("ca-cert", &args.ca_cert)?,
             identity,
             token_path,
@@ -633,6 +706,40 @@ mod tests {
             error.contains("--capture-target") && error.contains("KUBERNETES_SERVICE_HOST"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn server_hosts_split_at_commas_and_may_carry_ports() {
+        let hosts = |flag: &str| {
+            let args = Args::try_parse_from(["proxy-agent", "--agent-id=a", flag]).unwrap();
+            Config::from_args(&args).map(|config| (config.server_hosts, config.dial_every_address))
+        };
+        let address = |host: &str, port| ServerAddress {
+            host: host.to_owned(),
+            port,
+        };
+        assert_eq!(
+            hosts("--proxy-server-host=lb.example").unwrap(),
+            (vec![address("lb.example", 8091)], false)
+        );
+        assert_eq!(
+            hosts("--proxy-server-host=a:9000, b,[fd00::1]:9001,fd00::2").unwrap(),
+            (
+                vec![
+                    address("a", 9000),
+                    address("b", 8091),
+                    address("fd00::1", 9001),
+                    address("fd00::2", 8091)
+                ],
+                true
+            )
+        );
+        for bad in ["a,,b", "a:0", "a:x", "[fd00::1", ""] {
+            let error = hosts(&format!("--proxy-server-host={bad}"))
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("--proxy-server-host"), "{bad}: {error}");
+        }
     }
 
     #[test]

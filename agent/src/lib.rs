@@ -118,6 +118,7 @@ pub async fn run(config: Config, drain: Watcher) -> Result<(), AgentError> {
         mark: config.node.as_ref().map(|node| node.mark),
         keepalive: config.keepalive,
         token_path: config.token_path.clone(),
+        resolved: None,
     };
     let settings = SessionSettings {
         dial_timeout: config.dial_timeout,
@@ -127,7 +128,12 @@ pub async fn run(config: Config, drain: Watcher) -> Result<(), AgentError> {
         ),
         mark: config.node.as_ref().map(|node| node.mark),
     };
-    tracing::info!(agent_id = %config.agent_id, server = %target.address(), "proxy-agent started");
+    tracing::info!(
+        agent_id = %config.agent_id,
+        server = %config.server_hosts.iter().map(|a| format!("{}:{}", a.host, a.port)).collect::<Vec<_>>().join(","),
+        dial_every_address = config.dial_every_address,
+        "proxy-agent started"
+    );
 
     // On a worker thread of its own rather than in the caller's block_on:
     // every packet wakes this task, and workers wake each other cheaply.
@@ -137,23 +143,44 @@ pub async fn run(config: Config, drain: Watcher) -> Result<(), AgentError> {
         sync_forever: config.sync_forever,
         rediscover_every: config.sync_interval_cap,
     };
-    let lease_count = config
-        .lease_counting
-        .clone()
-        .map(|counting| leases::LeaseCount::start(counting, metrics.clone()));
-    let count_source = servers::ServerCountSource {
-        max: config.server_count_max,
-        leases: lease_count.as_ref().map(leases::LeaseCount::subscribe),
+    // Held for as long as the agent runs: dropping it stops the counting.
+    let mut lease_count = None;
+    let egress = if config.dial_every_address {
+        if config.lease_counting.is_some() {
+            tracing::warn!(
+                "--count-server-leases is not applied: every server address is dialed directly, whatever the count"
+            );
+        }
+        tokio::spawn(servers::serve_each(
+            target,
+            config.server_hosts.clone(),
+            settings,
+            sync,
+            metrics.clone(),
+            drain,
+            backoff,
+        ))
+    } else {
+        lease_count = config
+            .lease_counting
+            .clone()
+            .map(|counting| leases::LeaseCount::start(counting, metrics.clone()));
+        let count_source = servers::ServerCountSource {
+            max: config.server_count_max,
+            leases: lease_count.as_ref().map(leases::LeaseCount::subscribe),
+        };
+        tokio::spawn(servers::serve(
+            target,
+            settings,
+            sync,
+            count_source,
+            metrics.clone(),
+            drain,
+            backoff,
+        ))
     };
-    let mut egress = AbortOnDrop(tokio::spawn(servers::serve(
-        target,
-        settings,
-        sync,
-        count_source,
-        metrics.clone(),
-        drain,
-        backoff,
-    )));
+    let mut egress = AbortOnDrop(egress);
+    let _lease_count = lease_count;
     let (Some(node), Some(readiness)) = (&config.node, node_readiness) else {
         let _ = (&mut egress.0).await;
         return Ok(());

@@ -77,6 +77,10 @@ pub(crate) struct ServerTarget {
     pub keepalive: Option<Duration>,
     /// `--service-account-token-path`, read afresh for every stream.
     pub token_path: Option<PathBuf>,
+    /// The one address of `host` to dial, when the agent dials each of a
+    /// name's addresses (`--dial-every-address`); the certificate is still
+    /// checked against `host`.
+    pub resolved: Option<std::net::SocketAddr>,
 }
 
 /// An open AgentService stream.
@@ -100,10 +104,25 @@ pub(crate) struct ProbeAnswer {
 
 impl ServerTarget {
     pub(crate) fn address(&self) -> String {
-        if self.host.contains(':') {
+        let named = if self.host.contains(':') {
             format!("[{}]:{}", self.host, self.port)
         } else {
             format!("{}:{}", self.host, self.port)
+        };
+        match self.resolved {
+            Some(addr) if addr.ip().to_string() != self.host.trim_matches(['[', ']']) => {
+                format!("{named} ({addr})")
+            }
+            _ => named,
+        }
+    }
+
+    /// This target, dialed at `addr` (one of `host`'s addresses).
+    pub(crate) fn at(&self, addr: std::net::SocketAddr) -> ServerTarget {
+        ServerTarget {
+            resolved: Some(addr),
+            port: addr.port(),
+            ..self.clone()
         }
     }
 
@@ -153,9 +172,14 @@ impl ServerTarget {
         let host = self.host.clone();
         let port = self.port;
         let mark = self.mark;
+        let resolved = self.resolved;
         let connector = TlsConnector::from(self.tls.clone());
         // The URI only fills :authority; the connector below does the dialing.
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        let authority = match self.host.contains(':') {
+            true => format!("[{}]:{}", self.host.trim_matches(['[', ']']), self.port),
+            false => format!("{}:{}", self.host, self.port),
+        };
+        let endpoint = Endpoint::from_shared(format!("http://{authority}"))
             .map_err(|source| ConnectError::Transport {
                 address: address.clone(),
                 source,
@@ -178,9 +202,24 @@ impl ServerTarget {
                 let connector = connector.clone();
                 async move {
                     let name = konnectivity_client::net::server_name(&host)?;
-                    let tcp =
-                        konnectivity_client::net::connect_marked(host.trim_matches(['[', ']']), port, mark)
-                            .await?;
+                    let tcp = match resolved {
+                        Some(addr) => {
+                            konnectivity_client::net::connect_marked(
+                                &addr.ip().to_string(),
+                                addr.port(),
+                                mark,
+                            )
+                            .await?
+                        }
+                        None => {
+                            konnectivity_client::net::connect_marked(
+                                host.trim_matches(['[', ']']),
+                                port,
+                                mark,
+                            )
+                            .await?
+                        }
+                    };
                     let tls = connector.connect(name, tcp).await?;
                     Ok::<_, io::Error>(TokioIo::new(tls))
                 }

@@ -12,9 +12,10 @@
 //! server count current without a new connection. Upstream servers are not
 //! probed (they would register each probe as an agent stream).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::metrics::GaugeGuard;
@@ -24,7 +25,7 @@ use tonic::transport::Channel;
 
 use crate::Backoff;
 use crate::metrics::AgentMetrics;
-use crate::server_conn::ServerTarget;
+use crate::server_conn::{ConnectError, ServerStream, ServerTarget};
 use crate::session::{self, SessionSettings, StreamEnd};
 
 /// How often and how eagerly the agent re-checks its servers.
@@ -76,10 +77,18 @@ impl ServerCountSource {
     }
 }
 
+/// Which held stream a report is about: by server id when the servers
+/// share one address, by address when each is dialed at its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum StreamKey {
+    Server(String),
+    Address(SocketAddr),
+}
+
 /// What the tasks of held connections report to the loop.
 enum Report {
     /// The stream to this server ended.
-    Ended(String),
+    Ended(StreamKey),
     /// A probe of a held server answered with this count.
     ServerCount(u32),
 }
@@ -100,8 +109,10 @@ pub(crate) async fn serve(
     // Until a server says otherwise there is one.
     let mut announced: u32 = 1;
     let apply = |report: Report, held: &mut HashMap<String, SessionTask>, announced: &mut u32| match report {
-        Report::Ended(server_id) => {
-            held.remove(&server_id);
+        Report::Ended(key) => {
+            if let StreamKey::Server(server_id) = key {
+                held.remove(&server_id);
+            }
         }
         Report::ServerCount(count) => {
             if sync.sync_forever && count != *announced {
@@ -159,62 +170,265 @@ pub(crate) async fn serve(
                         "connected to proxy-server"
                     );
                     let server_id = stream.server_id.clone();
-                    let probe = stream.flow_control.then(|| Probe {
-                        target: target.clone(),
-                        channel: stream.channel.clone(),
-                        every: sync.probe_interval,
-                    });
-                    let run = session::run(
-                        stream.inbound,
-                        stream.outbound,
-                        stream.flow_control,
-                        settings.clone(),
-                        metrics.clone(),
-                        drain.clone(),
+                    let task = start_session(
+                        stream,
+                        &target,
+                        StreamKey::Server(server_id.clone()),
+                        &settings,
+                        sync.probe_interval,
+                        &metrics,
+                        &drain,
+                        &report_tx,
                     );
-                    let open = GaugeGuard::new(&metrics.open_server_connections);
-                    let reports = report_tx.clone();
-                    let id = server_id.clone();
-                    // The server's id on every line the session logs, so
-                    // that its tunnels line up with that server's logs.
-                    let span = tracing::info_span!("server stream", server_id = %id);
-                    let task = tokio::spawn(tracing::Instrument::instrument(
-                        async move {
-                            let _open = open;
-                            let reason = tokio::select! {
-                                reason = run => reason,
-                                failure = watch_server(probe, &reports) => failure,
-                            };
-                            match &reason {
-                                StreamEnd::ServerWentAway(_) => {
-                                    tracing::info!(%reason, "proxy-server stream ended; reconnecting")
-                                }
-                                StreamEnd::Failed(_) => {
-                                    tracing::warn!(%reason, "lost proxy-server stream")
-                                }
-                            }
-                            let _ = reports.send(Report::Ended(id));
-                        },
-                        span,
-                    ));
-                    held.insert(server_id, SessionTask(task));
+                    held.insert(server_id, task);
                     backoff.reset();
                     if held.len() >= wanted {
                         continue;
                     }
                 }
             }
-            Err(error) => match konnectivity_plumbing::tls::explain_handshake_failure(&error) {
-                Some(problem) => {
-                    tracing::warn!(%problem, host = %target.host, port = target.port, "cannot connect to proxy-server: TLS refused")
-                }
-                None => {
-                    tracing::warn!(error = %konnectivity_plumbing::error_chain(&error), "cannot connect to proxy-server")
-                }
-            },
+            Err(error) => log_connect_failure(&target, &error),
         }
         tokio::time::sleep(backoff.next_delay()).await;
     }
+}
+
+fn log_connect_failure(target: &ServerTarget, error: &ConnectError) {
+    match konnectivity_plumbing::tls::explain_handshake_failure(error) {
+        Some(problem) => {
+            tracing::warn!(%problem, server = %target.address(), "cannot connect to proxy-server: TLS refused")
+        }
+        None => {
+            tracing::warn!(error = %konnectivity_plumbing::error_chain(error), "cannot connect to proxy-server")
+        }
+    }
+}
+
+/// One server address the agent dials directly.
+struct Slot {
+    /// The name it was found under: the server's certificate must carry it.
+    host: String,
+    state: SlotState,
+    /// When to dial it next while idle.
+    retry_at: Instant,
+    backoff: Backoff,
+    /// Whether the last look-up still returned it; an address that is gone
+    /// is forgotten once its stream ends.
+    listed: bool,
+}
+
+enum SlotState {
+    Idle,
+    Dialing,
+    /// Holding a stream to this server (dropping the task ends it).
+    Held {
+        _task: SessionTask,
+        server_id: String,
+    },
+}
+
+/// Holds one stream to every address of `hosts` (`--proxy-server-host` with
+/// several hosts, or `--dial-every-address`): each address is a server,
+/// dialed directly, so no load balancer is needed in front of them. Each
+/// address has its own backoff; the names are looked up again every
+/// `rediscover_every`, so servers that join (a headless Service gaining an
+/// endpoint) are dialed and those that left are forgotten.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn serve_each(
+    target: ServerTarget,
+    hosts: Vec<crate::config::ServerAddress>,
+    settings: SessionSettings,
+    sync: SyncSettings,
+    metrics: Arc<AgentMetrics>,
+    drain: Watcher,
+    backoff: Backoff,
+) {
+    let (report_tx, mut reports) = mpsc::unbounded_channel::<Report>();
+    let (attempt_tx, mut attempts) =
+        mpsc::unbounded_channel::<(SocketAddr, Result<ServerStream, ConnectError>)>();
+    let mut slots: BTreeMap<SocketAddr, Slot> = BTreeMap::new();
+    let mut next_lookup = Instant::now();
+    loop {
+        let now = Instant::now();
+        if now >= next_lookup {
+            let found = look_up(&hosts).await;
+            for slot in slots.values_mut() {
+                slot.listed = false;
+            }
+            for (addr, host) in found {
+                let slot = slots.entry(addr).or_insert_with(|| {
+                    tracing::info!(%addr, %host, "proxy-server address found");
+                    Slot {
+                        host,
+                        state: SlotState::Idle,
+                        retry_at: now,
+                        backoff: backoff.clone(),
+                        listed: true,
+                    }
+                });
+                slot.listed = true;
+            }
+            slots.retain(|addr, slot| {
+                let keep = slot.listed || !matches!(slot.state, SlotState::Idle);
+                if !keep {
+                    tracing::info!(%addr, "proxy-server address no longer listed; forgotten");
+                }
+                keep
+            });
+            metrics.known_server_count.set(slots.len() as i64);
+            next_lookup = now + sync.rediscover_every;
+        }
+        for (addr, slot) in slots.iter_mut() {
+            if matches!(slot.state, SlotState::Idle) && slot.retry_at <= now {
+                slot.state = SlotState::Dialing;
+                let dial = ServerTarget {
+                    host: slot.host.clone(),
+                    ..target.clone()
+                }
+                .at(*addr);
+                let (addr, attempts, metrics) = (*addr, attempt_tx.clone(), metrics.clone());
+                tokio::spawn(async move {
+                    let _ = attempts.send((addr, dial.connect(&metrics).await));
+                });
+            }
+        }
+        let wake_at = slots
+            .values()
+            .filter(|slot| matches!(slot.state, SlotState::Idle))
+            .map(|slot| slot.retry_at)
+            .fold(next_lookup, Instant::min);
+        tokio::select! {
+            Some(report) = reports.recv() => {
+                if let Report::Ended(StreamKey::Address(addr)) = report
+                    && let Some(slot) = slots.get_mut(&addr)
+                {
+                    slot.state = SlotState::Idle;
+                    slot.retry_at = Instant::now() + slot.backoff.next_delay();
+                }
+            }
+            Some((addr, result)) = attempts.recv() => {
+                let held_elsewhere = slots_ids(&slots, addr);
+                let Some(slot) = slots.get_mut(&addr) else { continue };
+                match result {
+                    Ok(stream) => {
+                        let duplicate = held_elsewhere.contains(&stream.server_id);
+                        if duplicate {
+                            // Two addresses of one server (IPv4 and IPv6):
+                            // one stream is enough; look again much later.
+                            tracing::info!(%addr, server_id = %stream.server_id, "address leads to a server already held; not keeping a second stream");
+                            slot.state = SlotState::Idle;
+                            slot.retry_at = Instant::now() + sync.rediscover_every;
+                        } else {
+                            tracing::info!(
+                                %addr,
+                                server_id = %stream.server_id,
+                                flow_control = stream.flow_control,
+                                "connected to proxy-server"
+                            );
+                            let server_id = stream.server_id.clone();
+                            let dial = ServerTarget { host: slot.host.clone(), ..target.clone() }.at(addr);
+                            let task = start_session(
+                                stream,
+                                &dial,
+                                StreamKey::Address(addr),
+                                &settings,
+                                sync.probe_interval,
+                                &metrics,
+                                &drain,
+                                &report_tx,
+                            );
+                            slot.state = SlotState::Held { _task: task, server_id };
+                            slot.backoff.reset();
+                        }
+                    }
+                    Err(error) => {
+                        let dial = ServerTarget { host: slot.host.clone(), ..target.clone() }.at(addr);
+                        log_connect_failure(&dial, &error);
+                        slot.state = SlotState::Idle;
+                        slot.retry_at = Instant::now() + slot.backoff.next_delay();
+                    }
+                }
+            }
+            () = tokio::time::sleep_until(wake_at.into()) => {}
+        }
+    }
+}
+
+/// The server ids held through addresses other than `except`.
+fn slots_ids(slots: &BTreeMap<SocketAddr, Slot>, except: SocketAddr) -> HashSet<String> {
+    slots
+        .iter()
+        .filter(|(addr, _)| **addr != except)
+        .filter_map(|(_, slot)| match &slot.state {
+            SlotState::Held { server_id, .. } => Some(server_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every address of every host, with the host it came from; a host that
+/// does not resolve is logged and skipped (its servers may come back).
+async fn look_up(hosts: &[crate::config::ServerAddress]) -> Vec<(SocketAddr, String)> {
+    let mut found = Vec::new();
+    for address in hosts {
+        match tokio::net::lookup_host((address.host.as_str(), address.port)).await {
+            Ok(addrs) => found.extend(addrs.map(|addr| (addr, address.host.clone()))),
+            Err(error) => tracing::warn!(host = %address.host, %error, "cannot look up proxy-server host"),
+        }
+    }
+    found
+}
+
+/// Serves `stream` in a task of its own, probing the server when it is one
+/// of ours; reports `key` as ended when the stream ends.
+#[allow(clippy::too_many_arguments)]
+fn start_session(
+    stream: ServerStream,
+    target: &ServerTarget,
+    key: StreamKey,
+    settings: &SessionSettings,
+    probe_interval: Duration,
+    metrics: &Arc<AgentMetrics>,
+    drain: &Watcher,
+    reports: &mpsc::UnboundedSender<Report>,
+) -> SessionTask {
+    let probe = stream.flow_control.then(|| Probe {
+        target: target.clone(),
+        channel: stream.channel.clone(),
+        every: probe_interval,
+    });
+    let run = session::run(
+        stream.inbound,
+        stream.outbound,
+        stream.flow_control,
+        settings.clone(),
+        metrics.clone(),
+        drain.clone(),
+    );
+    let open = GaugeGuard::new(&metrics.open_server_connections);
+    let reports = reports.clone();
+    // The server's id on every line the session logs, so that its tunnels
+    // line up with that server's logs.
+    let span = tracing::info_span!("server stream", server_id = %stream.server_id);
+    SessionTask(tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            let _open = open;
+            let reason = tokio::select! {
+                reason = run => reason,
+                failure = watch_server(probe, &reports) => failure,
+            };
+            match &reason {
+                StreamEnd::ServerWentAway(_) => {
+                    tracing::info!(%reason, "proxy-server stream ended; reconnecting")
+                }
+                StreamEnd::Failed(_) => {
+                    tracing::warn!(%reason, "lost proxy-server stream")
+                }
+            }
+            let _ = reports.send(Report::Ended(key));
+        },
+        span,
+    )))
 }
 
 /// How to probe one held connection.

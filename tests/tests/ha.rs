@@ -211,3 +211,76 @@ async fn sync_forever_finds_a_server_that_counts_more() {
     )
     .await;
 }
+
+/// Without a load balancer: the agent is given both servers' addresses,
+/// dials each directly and holds a stream to each, though each server
+/// announces a count of 1. One killed: it keeps the other and redials the
+/// first with backoff until it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_given_every_server_address_holds_each_and_redials_a_lost_one_with_backoff() {
+    let dir = TempDir::new("konn-ha");
+    let pki = Pki::new(dir.path());
+    let mut servers = [
+        counting_server(&dir, &pki, "server-1", 1).await,
+        counting_server(&dir, &pki, "server-2", 1).await,
+    ];
+    let hosts = format!(
+        "--proxy-server-host=127.0.0.1:{},localhost:{}",
+        servers[0].agent_port, servers[1].agent_port
+    );
+    let agent = Agent::start(dir.path(), &pki, servers[0].agent_port, "agent-1", &[hosts]);
+    let agent_port = agent.health_port;
+    const KNOWN: &str = "konnectivity_network_proxy_agent_known_server_count";
+    wait_until(Duration::from_secs(20), "a stream to each server", || async {
+        connected(&servers[0]).await == 1.0
+            && connected(&servers[1]).await == 1.0
+            && metric(agent_port, AGENT_SERVERS).await == Some(2.0)
+    })
+    .await;
+    let target = targets::blob().await;
+    let target = target.addr.to_string();
+    for server in &servers {
+        tunnel_works(server, &target).await;
+    }
+    // localhost may also be ::1, where nothing listens: that address is
+    // counted and redialed, and holds nothing.
+    let known = metric(agent_port, KNOWN).await.unwrap();
+    assert!((2.0..=3.0).contains(&known), "{known}");
+
+    servers[1].proc.kill();
+    wait_until(Duration::from_secs(10), "the agent to hold 1 stream", || async {
+        metric(agent_port, AGENT_SERVERS).await == Some(1.0)
+    })
+    .await;
+    tunnel_works(&servers[0], &target).await;
+    // Redials with backoff (100ms ×1.5 up to 500ms here): over 3 s a handful
+    // of attempts at the lost address, not one every 100 ms.
+    let failures = |log: &str| {
+        log.lines()
+            .filter(|l| {
+                l.contains("cannot connect to proxy-server")
+                    && l.contains(&format!(":{}", servers[1].agent_port))
+            })
+            .count()
+    };
+    let before = failures(&agent.proc.log_text());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = failures(&agent.proc.log_text()) - before;
+    assert!((3..=16).contains(&during), "{during} redials in 3 s");
+    assert_eq!(
+        connected(&servers[0]).await,
+        1.0,
+        "the survivor keeps its one stream"
+    );
+
+    servers[1].restart().await;
+    wait_until(
+        Duration::from_secs(10),
+        "the agent to hold both again",
+        || async {
+            connected(&servers[1]).await == 1.0 && metric(agent_port, AGENT_SERVERS).await == Some(2.0)
+        },
+    )
+    .await;
+    tunnel_works(&servers[1], &target).await;
+}
