@@ -284,3 +284,91 @@ async fn an_agent_given_every_server_address_holds_each_and_redials_a_lost_one_w
     .await;
     tunnel_works(&servers[1], &target).await;
 }
+
+/// A name whose addresses are the servers (a headless Service's, or DNS
+/// round robin): with --dial-every-address the agent looks it up and holds
+/// a stream to each address, checking each server's certificate against the
+/// name. The name resolves through the real resolver: a network namespace's
+/// own /etc/hosts (`ip netns exec` mounts /etc/netns/NAME/hosts over it)
+/// lists two addresses for `localhost`, one server on each, same port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dial_every_address_holds_a_stream_to_each_address_of_a_name() {
+    if !crate::support::netns::root_or_skip("dial_every_address_holds_a_stream_to_each_address_of_a_name") {
+        return;
+    }
+    let dir = TempDir::new("konn-ha");
+    let pki = Pki::new(dir.path());
+    let netns = crate::support::netns::Netns::new("dns");
+    let hosts_dir = std::path::PathBuf::from("/etc/netns").join(&netns.name);
+    std::fs::create_dir_all(&hosts_dir).unwrap();
+    // Removed with the test, whatever happens.
+    struct RemoveDir(std::path::PathBuf);
+    impl Drop for RemoveDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _hosts_dir = RemoveDir(hosts_dir.clone());
+    std::fs::write(
+        hosts_dir.join("hosts"),
+        "127.0.0.2 localhost\n127.0.0.3 localhost\n",
+    )
+    .unwrap();
+
+    let agent_port = crate::support::free_port();
+    let mut health = Vec::new();
+    let mut servers = Vec::new();
+    for (id, ip) in [("server-1", "127.0.0.2"), ("server-2", "127.0.0.3")] {
+        let health_port = crate::support::free_port();
+        let args = vec![
+            "--mode=http-connect".to_owned(),
+            format!("--uds-name={}", dir.path().join(format!("{id}.sock")).display()),
+            "--server-port=0".to_owned(),
+            format!("--agent-port={agent_port}"),
+            format!("--agent-bind-address={ip}"),
+            format!("--health-port={health_port}"),
+            "--health-bind-address=127.0.0.1".to_owned(),
+            format!("--admin-port={}", crate::support::free_port()),
+            format!("--cluster-cert={}", pki.server.cert.display()),
+            format!("--cluster-key={}", pki.server.key.display()),
+            format!("--cluster-ca-cert={}", pki.ca.display()),
+            format!("--server-id={id}"),
+            "--server-count=1".to_owned(),
+        ];
+        servers.push(netns.spawn("proxy-server", &args, dir.path()));
+        health.push(health_port);
+    }
+    let agent_health = crate::support::free_port();
+    let agent_args = vec![
+        "--proxy-server-host=localhost".to_owned(),
+        format!("--proxy-server-port={agent_port}"),
+        "--dial-every-address".to_owned(),
+        format!("--ca-cert={}", pki.ca.display()),
+        format!("--agent-cert={}", pki.agent.cert.display()),
+        format!("--agent-key={}", pki.agent.key.display()),
+        "--agent-id=agent-1".to_owned(),
+        format!("--health-server-port={agent_health}"),
+        "--health-server-host=127.0.0.1".to_owned(),
+        format!("--admin-server-port={}", crate::support::free_port()),
+        "--sync-interval=100ms".to_owned(),
+        "--sync-interval-cap=500ms".to_owned(),
+    ];
+    let agent = netns.spawn("proxy-agent", &agent_args, dir.path());
+    wait_until(Duration::from_secs(20), "a stream to each address", || async {
+        health
+            .iter()
+            .all(|port| netns.metric(*port, CONNECTED) == Some(1.0))
+            && netns.metric(agent_health, AGENT_SERVERS) == Some(2.0)
+    })
+    .await;
+    assert_eq!(
+        netns.metric(
+            agent_health,
+            "konnectivity_network_proxy_agent_known_server_count"
+        ),
+        Some(2.0)
+    );
+    let log = agent.log_text();
+    assert!(log.contains("127.0.0.2") && log.contains("127.0.0.3"), "{log}");
+    drop(servers);
+}
