@@ -306,6 +306,8 @@ async fn dial_every_address_holds_a_stream_to_each_address_of_a_name() {
     impl Drop for RemoveDir {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
+            // And /etc/netns itself when no other namespace uses it.
+            let _ = std::fs::remove_dir("/etc/netns");
         }
     }
     let _hosts_dir = RemoveDir(hosts_dir.clone());
