@@ -8,6 +8,12 @@
 # client alone.
 # Extra arguments go to `konnectivity-bench run` (e.g. --runs 5, --idle 2000).
 # Run on Debian: bash hack/bench.sh
+#
+# bash hack/bench.sh --scale [--agents N --tunnels N]: the scale run instead
+# (konnectivity-bench scale): 1,000 agent streams into one server, 20,000
+# tunnels across them, agents authenticated by token against a stand-in
+# kube-apiserver; server memory per stream and per tunnel, dial rate under
+# that load, reconnect time after a server restart and TokenReviews spent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +29,11 @@ cargo build --release --locked --quiet --bin proxy-server --bin proxy-agent --bi
 work=$(mktemp -d /tmp/konnectivity-bench.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 hack/gen-certs.sh "$work/certs"
+if [[ "${1:-}" == "--scale" ]]; then
+  shift
+  target/release/konnectivity-bench scale --bin-dir target/release --certs "$work/certs" --work "$work/scale" "$@"
+  exit
+fi
 # Standard library only: no module download, whatever the Go version.
 GO111MODULE=off go build -o "$work/connect-client" bench/go/connect-client.go
 target/release/konnectivity-bench run --bin-dir target/release --certs "$work/certs" --work "$work" \

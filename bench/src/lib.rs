@@ -6,9 +6,11 @@
 pub mod go_client;
 pub mod report;
 pub mod route;
+pub mod scale;
 pub mod scenarios;
 pub mod stack;
 pub mod targets;
+pub mod token_review;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -34,6 +36,10 @@ pub enum Commands {
     Run(RunArgs),
     /// Serves the benchmark targets (started by `run`; prints its ports).
     Targets,
+    /// The scale run: many agent streams and tunnels into one server (root).
+    Scale(scale::ScaleArgs),
+    /// Runs many proxy-agents in one process (started by `scale`).
+    Fleet(scale::FleetArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -89,6 +95,8 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Commands::Targets => runtime.block_on(targets::serve()),
         Commands::Run(args) => runtime.block_on(run(args)),
+        Commands::Scale(args) => runtime.block_on(scale::scale(args)),
+        Commands::Fleet(args) => runtime.block_on(scale::fleet(args)),
     }
 }
 

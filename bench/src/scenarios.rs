@@ -116,7 +116,7 @@ pub async fn round_trips(
 }
 
 /// Runs `count` jobs, `concurrency` at a time, and collects their results.
-async fn concurrently<T, F, Fut>(count: usize, concurrency: usize, job: F) -> anyhow::Result<Vec<T>>
+pub async fn concurrently<T, F, Fut>(count: usize, concurrency: usize, job: F) -> anyhow::Result<Vec<T>>
 where
     F: Fn() -> Fut,
     Fut: Future<Output = anyhow::Result<T>> + Send + 'static,

@@ -48,6 +48,14 @@ impl Proc {
     }
 }
 
+impl Proc {
+    /// SIGKILL now, as a crash would, and reap it.
+    pub fn kill_now(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -55,7 +63,7 @@ impl Drop for Proc {
     }
 }
 
-fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
+pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
     let log = std::fs::File::create(layout.work.join(format!("{name}.log")))?;
     let child = Command::new(program)
         .args(args)
@@ -93,7 +101,7 @@ pub fn start_targets(layout: &Layout) -> anyhow::Result<(Proc, Targets)> {
 }
 
 /// A port free at the time of asking.
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 

@@ -100,13 +100,24 @@ impl AgentService for AgentServer {
     ) -> Result<Response<Self::ConnectStream>, Status> {
         let agent_id = exactly_one(request.metadata(), AGENT_ID)?.to_owned();
         let identifiers = identifiers(request.metadata())?;
+        let probe = request.metadata().get(PROBE).is_some_and(|value| value == "1");
+        // Held by the stream's session: its token counts as live meanwhile.
+        let mut live_token = None;
         if let Some(token_auth) = &self.token_auth {
-            match token_auth.authenticate(request.metadata()).await {
-                Ok(username) => tracing::debug!(%agent_id, %username, "agent authenticated by token"),
-                Err(refused) => {
-                    tracing::warn!(%agent_id, error = refused.message(), "agent refused");
-                    return Err(refused);
-                }
+            let admitted = if probe {
+                token_auth.authenticate_probe(request.metadata()).await
+            } else {
+                token_auth
+                    .authenticate(request.metadata())
+                    .await
+                    .map(|(username, live)| {
+                        tracing::debug!(%agent_id, %username, "agent authenticated by token");
+                        live_token = Some(live);
+                    })
+            };
+            if let Err(refused) = admitted {
+                tracing::warn!(%agent_id, error = refused.message(), "agent refused");
+                return Err(refused);
             }
         }
         let control_plane = self.control_plane_ids.contains(&agent_id);
@@ -131,7 +142,7 @@ impl AgentService for AgentServer {
                 )));
             }
         }
-        if request.metadata().get(PROBE).is_some_and(|value| value == "1") {
+        if probe {
             // An agent checking the connection and the server count: the
             // headers are the answer; nothing is registered.
             let empty = futures_util::stream::empty();
@@ -162,6 +173,7 @@ impl AgentService for AgentServer {
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
             let _open = open;
+            let _live_token = live_token;
             session::run(backend, request.into_inner(), queues.commands, registry, metrics).await;
         });
 

@@ -29,6 +29,7 @@ pub mod hooks {
     pub use crate::frontend::grpc::serve_client;
     pub use crate::metrics::ServerMetrics;
     pub use crate::policy::{FrontendClass, parse_allowed};
+    pub use crate::token_auth::CACHE_TTL as TOKEN_CACHE_TTL;
     pub use crate::tunnel::Dialer;
 }
 

@@ -86,10 +86,11 @@ async fn an_agent_with_its_service_account_token_is_admitted_and_tunnels() {
             "--agent-cert=".to_owned(),
             "--agent-key=".to_owned(),
             format!("--service-account-token-path={}", token_file.display()),
+            "--probe-interval=200ms".to_owned(),
         ],
     );
     server.wait_backends(1).await;
-    assert!(reviewer.reviews_of(GOOD) >= 1);
+    assert_eq!(reviewer.reviews_of(GOOD), 1);
 
     let target = targets::blob().await;
     let mut tunnel = via_uds(server.uds_path(), &target.addr.to_string())
@@ -98,6 +99,18 @@ async fn an_agent_with_its_service_account_token_is_admitted_and_tunnels() {
         .expect("CONNECT accepted");
     let (sent, received) = targets::push(&mut tunnel, 4 << 20, 5).await.unwrap();
     assert_eq!(sent, received);
+
+    // The agent probes its server five times a second, each probe with its
+    // token; past the review cache's lifetime, the probes of a token whose
+    // stream is open still cost no review (a refused probe would drop the
+    // stream).
+    tokio::time::sleep(konnectivity_server::hooks::TOKEN_CACHE_TTL + Duration::from_secs(1)).await;
+    server.wait_backends(1).await;
+    assert_eq!(
+        reviewer.reviews_of(GOOD),
+        1,
+        "probes of an open stream's token must not be reviewed"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
