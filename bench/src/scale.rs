@@ -189,19 +189,35 @@ impl ScaleServer {
     }
 }
 
+/// Dials (open + close through the tunnel, 16 at a time): the rate, and
+/// the server's CPU time per dial.
+async fn dial_rate(
+    server: &ScaleServer,
+    route: &Route,
+    targets: &crate::targets::Targets,
+    dials: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let before = cpu_ticks(&server.proc)?;
+    let (rate, _) = scenarios::setups(route, targets, dials, 16).await?;
+    let used = (cpu_ticks(&server.proc)? - before) as f64 / 100.0;
+    Ok((rate, used * 1e6 / dials as f64))
+}
+
+/// User and system CPU time of `proc` so far, in clock ticks (1/100 s).
+fn cpu_ticks(proc: &Proc) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", proc.pid()))?;
+    // After the command name in parentheses: utime and stime are the 12th
+    // and 13th fields.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
+}
+
 /// The share of one CPU `proc` used over `window`.
 async fn cpu_share(proc: &Proc, window: Duration) -> anyhow::Result<f64> {
-    let ticks = || -> anyhow::Result<u64> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", proc.pid()))?;
-        // After the command name in parentheses: utime and stime are the
-        // 12th and 13th fields.
-        let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
-    };
-    let (before, started) = (ticks()?, Instant::now());
+    let (before, started) = (cpu_ticks(proc)?, Instant::now());
     tokio::time::sleep(window).await;
-    let used = (ticks()? - before) as f64 / 100.0;
+    let used = (cpu_ticks(proc)? - before) as f64 / 100.0;
     Ok(used / started.elapsed().as_secs_f64())
 }
 
@@ -295,7 +311,7 @@ pub async fn scale(mut args: ScaleArgs) -> anyhow::Result<()> {
     let route = Route::HttpConnect {
         uds: server.uds.clone(),
     };
-    let (idle_rate, _) = scenarios::setups(&route, &targets, args.dials, 16).await?;
+    let (idle_rate, idle_dial_cpu) = dial_rate(&server, &route, &targets, args.dials).await?;
 
     eprintln!("== {} tunnels", args.tunnels);
     let opening = Instant::now();
@@ -314,8 +330,7 @@ pub async fn scale(mut args: ScaleArgs) -> anyhow::Result<()> {
         conn.read_exact(&mut byte).await?;
     }
     let with_tunnels = settled_memory(&server).await?;
-    let (loaded_rate, mut latencies) = scenarios::setups(&route, &targets, args.dials, 16).await?;
-    let loaded_p50 = scenarios::percentile(&mut latencies, 0.5);
+    let (loaded_rate, loaded_dial_cpu) = dial_rate(&server, &route, &targets, args.dials).await?;
     drop(held);
 
     eprintln!("== restart");
@@ -359,11 +374,12 @@ pub async fn scale(mut args: ScaleArgs) -> anyhow::Result<()> {
         "| TokenReviews for the first connections (distinct tokens) | {first_reviews} ({first_tokens}) |"
     );
     println!("| tunnels opened, 64 at a time | {open_rate:.0} /s |");
-    println!("| dial + close, 16 at a time, agents only | {idle_rate:.0} /s |");
     println!(
-        "| dial + close, 16 at a time, beside {} open tunnels | {loaded_rate:.0} /s (p50 {} µs) |",
-        args.tunnels,
-        loaded_p50.as_micros()
+        "| dial + close, 16 at a time, agents only | {idle_rate:.0} /s (server CPU {idle_dial_cpu:.0} µs per dial) |"
+    );
+    println!(
+        "| dial + close, 16 at a time, beside {} open tunnels | {loaded_rate:.0} /s (server CPU {loaded_dial_cpu:.0} µs per dial) |",
+        args.tunnels
     );
     println!(
         "| all agents reconnected after a server restart | {:.2} s (from the restart: {:.2} s) |",

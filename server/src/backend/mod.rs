@@ -41,6 +41,9 @@ pub struct Backend {
     /// Requests to this stream's session task.
     commands: mpsc::Sender<Command>,
     draining: AtomicBool,
+    /// The agent has an older stream open here: this one is not chosen
+    /// (see [`strategy::mark_oldest`]).
+    younger: AtomicBool,
     metrics: Arc<ServerMetrics>,
 }
 
@@ -130,6 +133,7 @@ impl Backend {
             outbound,
             commands: commands_tx,
             draining: AtomicBool::new(false),
+            younger: AtomicBool::new(false),
             metrics,
         };
         (Arc::new(backend), Queues { to_agent, commands })
@@ -137,6 +141,11 @@ impl Backend {
 
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether the agent has an older stream open to this server.
+    pub fn is_younger_stream(&self) -> bool {
+        self.younger.load(Ordering::Relaxed)
     }
 
     pub(crate) fn set_draining(&self) {

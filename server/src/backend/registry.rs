@@ -55,13 +55,19 @@ impl Registry {
 
     pub fn add(&self, backend: Arc<Backend>) {
         let mut backends = self.backends.write().expect("registry lock poisoned");
+        let agent_id = backend.agent_id.clone();
         backends.push(backend);
+        strategy::mark_oldest(&backends, &agent_id);
         self.publish(&backends);
     }
 
     pub fn remove(&self, id: BackendId) {
         let mut backends = self.backends.write().expect("registry lock poisoned");
-        backends.retain(|b| b.id != id);
+        let Some(index) = backends.iter().position(|b| b.id == id) else {
+            return;
+        };
+        let removed = backends.remove(index);
+        strategy::mark_oldest(&backends, &removed.agent_id);
         self.publish(&backends);
     }
 
@@ -99,14 +105,10 @@ impl Registry {
     /// egress never does and follows the configured strategies.
     pub fn select(&self, host: &str, class: FrontendClass) -> Option<Arc<Backend>> {
         let backends = self.backends.read().expect("registry lock poisoned");
-        let eligible: Vec<Arc<Backend>> = backends
-            .iter()
-            .filter(|b| b.control_plane == (class == FrontendClass::Node))
-            .cloned()
-            .collect();
+        let eligible = |b: &Backend| b.control_plane == (class == FrontendClass::Node);
         match class {
-            FrontendClass::Node => strategy::select(&[Strategy::Default], &eligible, host),
-            FrontendClass::Apiserver => strategy::select(&self.strategies, &eligible, host),
+            FrontendClass::Node => strategy::select(&[Strategy::Default], &backends, eligible, host),
+            FrontendClass::Apiserver => strategy::select(&self.strategies, &backends, eligible, host),
         }
     }
 }

@@ -2,10 +2,9 @@
 //! them. Strategies are tried in the order given; one that finds no backend
 //! hands over to the next.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
-use rand::seq::IndexedRandom;
+use rand::Rng;
 
 use super::Backend;
 
@@ -70,39 +69,51 @@ pub fn parse_strategies(text: &str) -> Result<Vec<Strategy>, String> {
     Ok(strategies)
 }
 
-/// One stream per agent id, its oldest. An agent holding streams to several
-/// servers behind one address dials until it reaches each of them, and a
-/// stream that lands on a server it already holds is closed at once: a dial
-/// routed to that newcomer would fail with it. Every agent also gets an
-/// equal share of dials, however many streams it has open.
-fn oldest_per_agent<'a>(candidates: impl Iterator<Item = &'a Arc<Backend>>) -> Vec<&'a Arc<Backend>> {
-    let mut oldest: HashMap<&str, &Arc<Backend>> = HashMap::new();
-    for backend in candidates {
-        oldest
-            .entry(backend.agent_id.as_str())
-            .and_modify(|kept| {
-                if backend.id.0 < kept.id.0 {
-                    *kept = backend;
-                }
-            })
-            .or_insert(backend);
+/// Marks which of `agent_id`'s streams may be chosen: only its oldest. An
+/// agent holding streams to several servers behind one address dials until
+/// it reaches each of them, and a stream that lands on a server it already
+/// holds is closed at once: a dial routed to that newcomer would fail with
+/// it. Every agent also gets an equal share of dials, however many streams
+/// it has open. Called when streams come and go, so that choosing, once per
+/// dial, needs no grouping.
+pub(crate) fn mark_oldest(backends: &[Arc<Backend>], agent_id: &str) {
+    let streams = || backends.iter().filter(|b| b.agent_id == agent_id);
+    let Some(oldest) = streams().map(|b| b.id.0).min() else {
+        return;
+    };
+    for backend in streams() {
+        backend
+            .younger
+            .store(backend.id.0 != oldest, std::sync::atomic::Ordering::Relaxed);
     }
-    oldest.into_values().collect()
 }
 
-/// Picks a backend for a dial to `host`: within the first strategy that has
-/// candidates, a random one that is not draining, or a draining one when
-/// all candidates drain (so a draining fleet still serves).
-pub(crate) fn select(strategies: &[Strategy], backends: &[Arc<Backend>], host: &str) -> Option<Arc<Backend>> {
+/// Picks a backend for a dial to `host` among those `eligible` allows:
+/// within the first strategy that has candidates, a random one that is not
+/// draining, or a draining one when all candidates drain (so a draining
+/// fleet still serves). Counts, then walks to the chosen one: no allocation
+/// or hashing per dial, whatever the number of agents.
+pub(crate) fn select(
+    strategies: &[Strategy],
+    backends: &[Arc<Backend>],
+    eligible: impl Fn(&Backend) -> bool,
+    host: &str,
+) -> Option<Arc<Backend>> {
     let mut rng = rand::rng();
     for strategy in strategies {
-        let candidates = oldest_per_agent(backends.iter().filter(|b| strategy.admits(b, host)));
-        if candidates.is_empty() {
-            continue;
-        }
-        let serving: Vec<&Arc<Backend>> = candidates.iter().copied().filter(|b| !b.is_draining()).collect();
-        let pool = if serving.is_empty() { &candidates } else { &serving };
-        return pool.choose(&mut rng).map(|b| Arc::clone(b));
+        let candidate = |b: &&Arc<Backend>| !b.is_younger_stream() && eligible(b) && strategy.admits(b, host);
+        let serving = |b: &&Arc<Backend>| candidate(b) && !b.is_draining();
+        let count = backends.iter().filter(serving).count();
+        let chosen = if count > 0 {
+            backends.iter().filter(serving).nth(rng.random_range(0..count))
+        } else {
+            let count = backends.iter().filter(candidate).count();
+            if count == 0 {
+                continue;
+            }
+            backends.iter().filter(candidate).nth(rng.random_range(0..count))
+        };
+        return chosen.cloned();
     }
     None
 }
@@ -144,11 +155,11 @@ mod tests {
         let backends = [backend(1, "ipv4=10.0.0.4"), backend(2, "ipv4=10.0.0.5")];
         let strategies = [Strategy::DestHost, Strategy::Default];
         for _ in 0..20 {
-            let chosen = select(&strategies, &backends, "10.0.0.5").unwrap();
+            let chosen = select(&strategies, &backends, any, "10.0.0.5").unwrap();
             assert_eq!(chosen.id, BackendId(2));
         }
-        assert!(select(&strategies, &backends, "10.9.9.9").is_some());
-        assert!(select(&[Strategy::DestHost], &backends, "10.9.9.9").is_none());
+        assert!(select(&strategies, &backends, any, "10.9.9.9").is_some());
+        assert!(select(&[Strategy::DestHost], &backends, any, "10.9.9.9").is_none());
     }
 
     #[test]
@@ -157,19 +168,32 @@ mod tests {
             stream_of("a", 7, ""),
             stream_of("a", 3, ""),
             stream_of("a", 9, ""),
+            stream_of("b", 5, ""),
         ];
-        for _ in 0..20 {
-            assert_eq!(
-                select(&[Strategy::Default], &backends, "x").unwrap().id,
-                BackendId(3)
-            );
+        mark_oldest(&backends, "a");
+        mark_oldest(&backends, "b");
+        let mut chosen = std::collections::BTreeSet::new();
+        for _ in 0..100 {
+            chosen.insert(select(&[Strategy::Default], &backends, any, "x").unwrap().id.0);
         }
+        assert_eq!(chosen, [3, 5].into());
+        // The oldest gone, the next oldest serves.
+        let rest = [backends[0].clone(), backends[2].clone()];
+        mark_oldest(&rest, "a");
+        assert_eq!(
+            select(&[Strategy::Default], &rest, any, "x").unwrap().id,
+            BackendId(7)
+        );
+    }
+
+    fn any(_: &Backend) -> bool {
+        true
     }
 
     #[test]
     fn default_route_needs_the_identifier() {
         let backends = [backend(1, ""), backend(2, "default-route=true")];
-        let chosen = select(&[Strategy::DefaultRoute], &backends, "x").unwrap();
+        let chosen = select(&[Strategy::DefaultRoute], &backends, any, "x").unwrap();
         assert_eq!(chosen.id, BackendId(2));
     }
 
@@ -179,16 +203,16 @@ mod tests {
         backends[0].set_draining();
         for _ in 0..20 {
             assert_eq!(
-                select(&[Strategy::Default], &backends, "x").unwrap().id,
+                select(&[Strategy::Default], &backends, any, "x").unwrap().id,
                 BackendId(2)
             );
         }
         backends[1].set_draining();
-        assert!(select(&[Strategy::Default], &backends, "x").is_some());
+        assert!(select(&[Strategy::Default], &backends, any, "x").is_some());
     }
 
     #[test]
     fn no_backends_selects_nothing() {
-        assert!(select(&[Strategy::Default], &[], "x").is_none());
+        assert!(select(&[Strategy::Default], &[], any, "x").is_none());
     }
 }
