@@ -5,9 +5,16 @@
 //! Lease expires by the clock, without any event.
 //!
 //! The count follows upstream's rules: no valid Lease counts as one server.
-//! Ours beyond upstream: while kube-apiserver cannot be reached (the list or
-//! watch failing), the agent keeps the last count it made while connected,
-//! instead of watching every Lease it saw expire one by one.
+//! Ours beyond upstream: a Lease is judged at the time the agent last heard
+//! from kube-apiserver (plus a few seconds), not at the wall clock's now.
+//! While kube-apiserver is unreachable, or the watch silently dead, no
+//! renewal can arrive, and judging by the clock would count every server
+//! out one by one as its Lease seemed to expire (upstream's informer does);
+//! judged this way the count holds. While the watch runs, each renewal of
+//! any server moves that time on, so an expired Lease still drops out, at
+//! most a renewal interval late. And once kube-apiserver answers again, the
+//! count does not drop for one Lease duration: the servers could not renew
+//! meanwhile either, and need that long to catch up.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,6 +33,11 @@ const RECOUNT_EVERY: Duration = Duration::from_secs(1);
 /// How long kube-apiserver keeps a watch open before the agent starts the
 /// next one (client-go picks 5 to 10 minutes at random).
 const WATCH_TIMEOUT: Duration = Duration::from_secs(300);
+/// How far past the last word from kube-apiserver Leases are judged.
+const JUDGE_GRACE: Duration = Duration::from_secs(5);
+/// A watch that delivers nothing for this long (kube-apiserver ends it
+/// after WATCH_TIMEOUT) is taken for a dead connection.
+const WATCH_SILENCE: Duration = Duration::from_secs(WATCH_TIMEOUT.as_secs() + 30);
 /// Waits after a failed list or watch: first, and at most.
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -68,7 +80,9 @@ impl LeaseCount {
             metrics,
             publish,
             known: HashMap::new(),
-            current: false,
+            heard: SystemTime::UNIX_EPOCH,
+            failing: false,
+            hold_until: SystemTime::UNIX_EPOCH,
         };
         LeaseCount {
             count,
@@ -92,6 +106,8 @@ enum FollowError {
         reason: String,
         message: String,
     },
+    #[error("the Lease watch delivered nothing for {0:?}")]
+    Silent(Duration),
 }
 
 struct Counter {
@@ -101,9 +117,14 @@ struct Counter {
     publish: watch::Sender<u32>,
     /// The Leases matching the selector, by name, as last listed or watched.
     known: HashMap<String, Lease>,
-    /// Whether `known` reflects kube-apiserver now (the list succeeded and
-    /// the watch runs); while not, the last count is kept.
-    current: bool,
+    /// When kube-apiserver last answered or sent an event: Leases are judged
+    /// at this time (plus [`JUDGE_GRACE`]) at the latest.
+    heard: SystemTime,
+    /// The last list or watch failed (logged once, not every retry).
+    failing: bool,
+    /// Until then the count may grow but not drop: servers are catching up
+    /// on renewals after kube-apiserver was away.
+    hold_until: SystemTime,
 }
 
 impl Counter {
@@ -114,12 +135,12 @@ impl Counter {
                 // The watch's resourceVersion expired (410 Gone): list again.
                 Ok(()) => retry = RETRY_FIRST,
                 Err(error) => {
-                    if self.current {
-                        tracing::warn!(%error, count = *self.publish.borrow(), "cannot list or watch proxy-server Leases; keeping the last server count");
-                    } else {
+                    if self.failing {
                         tracing::debug!(%error, "still cannot list or watch proxy-server Leases");
+                    } else {
+                        tracing::warn!(%error, count = *self.publish.borrow(), "cannot list or watch proxy-server Leases; keeping the last server count");
                     }
-                    self.current = false;
+                    self.failing = true;
                     tokio::time::sleep(retry).await;
                     retry = (retry * 2).min(RETRY_MAX);
                 }
@@ -137,14 +158,19 @@ impl Counter {
         let mut recount = tokio::time::interval(RECOUNT_EVERY);
         loop {
             let mut events = self.watch(&leases, &version).await?;
+            self.heard = SystemTime::now();
+            self.failing = false;
             loop {
                 let event = tokio::select! {
-                    event = events.next::<Lease>() => event?,
+                    event = tokio::time::timeout(WATCH_SILENCE, events.next::<Lease>()) => {
+                        event.map_err(|_| FollowError::Silent(WATCH_SILENCE))??
+                    }
                     _ = recount.tick() => {
                         self.recount();
                         continue;
                     }
                 };
+                self.heard = SystemTime::now();
                 match event {
                     // The watch's time is up: the next one goes on from here.
                     None => break,
@@ -194,7 +220,22 @@ impl Counter {
             .into_iter()
             .map(|lease| (lease.metadata.name.clone(), lease))
             .collect();
-        self.current = true;
+        self.heard = SystemTime::now();
+        if self.failing {
+            let longest = self
+                .known
+                .values()
+                .filter_map(|lease| lease.spec.lease_duration_seconds)
+                .max()
+                .unwrap_or(30)
+                .max(0);
+            self.hold_until = self.heard + Duration::from_secs(longest as u64);
+            tracing::info!(
+                count = *self.publish.borrow(),
+                "listing proxy-server Leases again; the count will not drop for one Lease duration"
+            );
+        }
+        self.failing = false;
         self.recount();
         Ok(list.metadata.resource_version)
     }
@@ -224,14 +265,17 @@ impl Counter {
 
     /// Counts the valid Leases and publishes the count when it changed.
     fn recount(&self) {
-        if !self.current {
+        if self.heard == SystemTime::UNIX_EPOCH {
+            // Never listed: nothing known, the initial count stands.
             return;
         }
         let now = SystemTime::now();
-        let valid = self.known.values().filter(|lease| lease.is_valid(now)).count();
+        let judged = now.min(self.heard + JUDGE_GRACE);
+        let valid = self.known.values().filter(|lease| lease.is_valid(judged)).count();
         let count = u32::try_from(valid).unwrap_or(u32::MAX).max(1);
+        let holding = now < self.hold_until;
         self.publish.send_if_modified(|published| {
-            if *published == count {
+            if *published == count || (holding && count < *published) {
                 return false;
             }
             if valid == 0 {

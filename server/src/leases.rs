@@ -10,8 +10,14 @@
 //! someone else edited, is answered 409 by kube-apiserver; the renewal then
 //! reads the Lease again and retries, and a deletion is made conditional on
 //! the resourceVersion it judged expired, so a renewal in between wins.
+//!
+//! Ours beyond upstream: a Lease is deleted only when two collections in a
+//! row found it expired at the same resourceVersion. After kube-apiserver
+//! was away, every server's Lease looks expired (none could renew); deleting
+//! them at once would make agents count the servers out and back in. The
+//! second look gives live servers one collection interval to renew.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -102,6 +108,7 @@ impl LeaseController {
             selector: konnectivity_plumbing::kube::lease::selector(&settings.labels),
             every: settings.gc_interval,
             metrics,
+            expired: HashMap::new(),
         };
         LeaseController {
             client,
@@ -234,18 +241,22 @@ struct Collector {
     selector: String,
     every: Duration,
     metrics: Arc<ServerMetrics>,
+    /// The Leases the last collection found expired: name → resourceVersion.
+    expired: HashMap<String, String>,
 }
 
 impl Collector {
-    async fn run(self) {
-        let leases = Leases::new(&self.client, &self.namespace);
+    async fn run(mut self) {
+        let client = self.client.clone();
+        let namespace = self.namespace.clone();
+        let leases = Leases::new(&client, &namespace);
         loop {
             self.collect(&leases).await;
             tokio::time::sleep(self.every).await;
         }
     }
 
-    async fn collect(&self, leases: &Leases<'_>) {
+    async fn collect(&mut self, leases: &Leases<'_>) {
         let started = Instant::now();
         let listed = leases.list(&self.selector).await;
         let took = started.elapsed();
@@ -259,12 +270,21 @@ impl Collector {
                     self.metrics.lease_listed(status, reason, took);
                 }
                 tracing::warn!(%error, "could not list server Leases to collect expired ones");
+                // Back from an outage, look twice again.
+                self.expired.clear();
                 return;
             }
         };
         let now = SystemTime::now();
+        let seen_before = std::mem::take(&mut self.expired);
         for lease in list.items.iter().filter(|lease| !lease.is_valid(now)) {
             let name = &lease.metadata.name;
+            let version = &lease.metadata.resource_version;
+            if seen_before.get(name) != Some(version) {
+                tracing::debug!(lease = %name, "server Lease expired; deleted if still so at the next collection");
+                self.expired.insert(name.clone(), version.clone());
+                continue;
+            }
             let started = Instant::now();
             let deleted = leases.delete(name, Some(&lease.metadata.resource_version)).await;
             let took = started.elapsed();

@@ -30,12 +30,15 @@ fn lease_name(server: &str) -> String {
     format!("konnectivity-proxy-server-{server}")
 }
 
+/// A server renewing its Lease of `duration` every second, collecting
+/// expired Leases every `gc`.
 async fn lease_server(
     dir: &TempDir,
     pki: &Pki,
     kubeconfig: &std::path::Path,
     id: &str,
     duration: &str,
+    gc: &str,
 ) -> Server {
     let extra = [
         format!("--server-id={id}"),
@@ -44,7 +47,7 @@ async fn lease_server(
         format!("--kubeconfig={}", kubeconfig.display()),
         format!("--lease-duration={duration}"),
         "--lease-renew-interval=1s".to_owned(),
-        "--lease-gc-interval=1s".to_owned(),
+        format!("--lease-gc-interval={gc}"),
     ];
     Server::start(dir.path(), pki, "http-connect", true, &extra).await
 }
@@ -77,8 +80,8 @@ async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
     let pki = Pki::new(dir.path());
     let api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let mut first = lease_server(&dir, &pki, &kubeconfig, "server-1", "4s").await;
-    let mut second = lease_server(&dir, &pki, &kubeconfig, "server-2", "4s").await;
+    let mut first = lease_server(&dir, &pki, &kubeconfig, "server-1", "4s", "1s").await;
+    let mut second = lease_server(&dir, &pki, &kubeconfig, "server-2", "4s", "1s").await;
 
     // Each server holds its Lease as upstream names and labels it.
     wait_until(Duration::from_secs(10), "both server Leases", || async {
@@ -161,8 +164,8 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
     let pki = Pki::new(dir.path());
     let mut api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s").await;
-    let second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s").await;
+    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s").await;
+    let second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s", "1s").await;
     let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
     let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
     let agent_port = agent.health_port;
@@ -256,4 +259,71 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
             .log_text()
             .contains("could not renew the server Lease")
     );
+}
+
+/// kube-apiserver away for twice the Lease duration: no server could renew,
+/// so every Lease looks expired when it is back, until each server's next
+/// renewal (held back here for 2.5 s after the return, as a server's retry
+/// backoff would). The agent, which lists again about 1.5 s after the
+/// return, keeps its count through the outage and the catching up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
+    let dir = TempDir::new("konn-leases");
+    let pki = Pki::new(dir.path());
+    let mut api = KubeApi::start(&pki).await;
+    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let servers = [
+        lease_server(&dir, &pki, &kubeconfig, "server-1", "3s", "30s").await,
+        lease_server(&dir, &pki, &kubeconfig, "server-2", "3s", "30s").await,
+    ];
+    let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
+    let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
+    let agent_port = agent.health_port;
+    wait_until(
+        Duration::from_secs(20),
+        "the agent to count 2 servers",
+        || async {
+            metric(agent_port, KNOWN).await == Some(2.0) && metric(agent_port, HELD).await == Some(2.0)
+        },
+    )
+    .await;
+    let lowest = Arc::new(AtomicU64::new(2));
+    let sampler = {
+        let lowest = lowest.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Some(count) = metric(agent_port, KNOWN).await {
+                    lowest.fetch_min(count as u64, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let names = [lease_name("server-1"), lease_name("server-2")];
+    api.stop();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    for name in &names {
+        api.refuse_updates(name);
+    }
+    api.restart().await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let stale = renew_time(&api.lease(NAMESPACE, &names[0]).unwrap());
+    for name in &names {
+        api.allow_updates(name);
+    }
+    wait_until(Duration::from_secs(10), "renewals after the outage", || async {
+        api.lease(NAMESPACE, &names[0])
+            .is_some_and(|lease| renew_time(&lease) > stale)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    sampler.abort();
+    let log = agent.proc.log_text();
+    assert!(log.contains("listing proxy-server Leases again"), "{log}");
+    assert_eq!(
+        lowest.load(Ordering::Relaxed),
+        2,
+        "the agent counted a server out"
+    );
+    assert_eq!(api.lease_names(NAMESPACE).len(), 2);
 }

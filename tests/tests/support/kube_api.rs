@@ -188,6 +188,15 @@ impl KubeApi {
         self.store.lock().unwrap().refused_updates.push(name.to_owned());
     }
 
+    /// Answers this Lease's updates again.
+    pub fn allow_updates(&self, name: &str) {
+        self.store
+            .lock()
+            .unwrap()
+            .refused_updates
+            .retain(|refused| refused != name);
+    }
+
     /// How many calls of this kind were made ("PUT update", "GET watch", ...).
     pub fn calls(&self, call: &str) -> usize {
         self.store.lock().unwrap().calls.get(call).copied().unwrap_or(0)
