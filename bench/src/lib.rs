@@ -42,8 +42,9 @@ pub enum Commands {
     Fleet(scale::FleetArgs),
 }
 
+/// Where the binaries, certificates and scratch files are, for every run.
 #[derive(clap::Args, Debug, Clone)]
-pub struct RunArgs {
+pub struct LayoutArgs {
     /// Directory holding proxy-server and proxy-agent (a release build).
     #[arg(long)]
     pub bin_dir: PathBuf,
@@ -53,6 +54,22 @@ pub struct RunArgs {
     /// Scratch directory for sockets and process logs.
     #[arg(long)]
     pub work: PathBuf,
+}
+
+impl LayoutArgs {
+    pub fn layout(&self) -> Layout {
+        Layout {
+            bin_dir: self.bin_dir.clone(),
+            certs: self.certs.clone(),
+            work: self.work.clone(),
+        }
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub layout: LayoutArgs,
     /// Runs per figure; the table shows the median.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
@@ -101,12 +118,8 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&args.work)?;
-    let layout = Layout {
-        bin_dir: args.bin_dir.clone(),
-        certs: args.certs.clone(),
-        work: args.work.clone(),
-    };
+    std::fs::create_dir_all(&args.layout.work)?;
+    let layout = args.layout.layout();
     let (_targets_proc, targets) = stack::start_targets(&layout)?;
     // Memory first, each on a server and agent of its own that have carried
     // nothing else: resident memory depends on what a process did before.

@@ -17,6 +17,7 @@ use anyhow::bail;
 use clap::Parser;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::LayoutArgs;
 use crate::route::Route;
 use crate::scenarios;
 use crate::stack::{self, Layout, Proc};
@@ -24,15 +25,8 @@ use crate::token_review::{TOKEN_PREFIX, TokenReviewer};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ScaleArgs {
-    /// Directory holding proxy-server (a release build).
-    #[arg(long)]
-    pub bin_dir: PathBuf,
-    /// Certificates from hack/gen-certs.sh.
-    #[arg(long)]
-    pub certs: PathBuf,
-    /// Scratch directory for sockets, tokens and process logs.
-    #[arg(long)]
-    pub work: PathBuf,
+    #[command(flatten)]
+    pub layout: LayoutArgs,
     /// Agent streams into the server.
     #[arg(long, default_value_t = 1000)]
     pub agents: usize,
@@ -249,12 +243,8 @@ pub async fn scale(mut args: ScaleArgs) -> anyhow::Result<()> {
         );
         args.tunnels = fits;
     }
-    std::fs::create_dir_all(&args.work)?;
-    let layout = Layout {
-        bin_dir: args.bin_dir.clone(),
-        certs: args.certs.clone(),
-        work: args.work.clone(),
-    };
+    std::fs::create_dir_all(&args.layout.work)?;
+    let layout = args.layout.layout();
     // Agents and targets hold a socket per tunnel too: spread over processes.
     let helpers = args.tunnels.div_ceil(SOCKETS_PER_HELPER).max(1);
     let mut target_procs = Vec::new();
@@ -265,9 +255,9 @@ pub async fn scale(mut args: ScaleArgs) -> anyhow::Result<()> {
         echoes.push(targets);
     }
     let targets = echoes[0];
-    let reviewer = TokenReviewer::start(&args.certs).await?;
-    let kubeconfig = reviewer.kubeconfig(&args.work, &args.certs)?;
-    let tokens = args.work.join("tokens");
+    let reviewer = TokenReviewer::start(&layout.certs).await?;
+    let kubeconfig = reviewer.kubeconfig(&layout.work, &layout.certs)?;
+    let tokens = layout.work.join("tokens");
     std::fs::create_dir_all(&tokens)?;
     for n in 0..args.agents {
         std::fs::write(tokens.join(format!("agent-{n}")), format!("{TOKEN_PREFIX}{n}\n"))?;
@@ -290,7 +280,7 @@ pub async fn scale(mut args: ScaleArgs) -> anyhow::Result<()> {
                 format!("--first={first}"),
                 format!("--agents={}", per_fleet.min(args.agents - first)),
                 format!("--server-port={}", server.agent_port),
-                format!("--certs={}", args.certs.display()),
+                format!("--certs={}", layout.certs.display()),
                 format!("--tokens={}", tokens.display()),
             ],
         )?);

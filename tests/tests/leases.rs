@@ -66,6 +66,34 @@ fn counting_agent(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, port: 
     )
 }
 
+/// Waits until the agent counts and holds 2 servers.
+async fn holds_two_servers(agent_port: u16) {
+    wait_until(
+        Duration::from_secs(20),
+        "the agent to count and hold 2 servers",
+        || async {
+            metric(agent_port, KNOWN).await == Some(2.0) && metric(agent_port, HELD).await == Some(2.0)
+        },
+    )
+    .await;
+}
+
+/// Samples the agent's server count every 100 ms from now on; the first
+/// value is the lowest seen so far (abort the task to stop).
+fn lowest_count(agent_port: u16) -> (Arc<AtomicU64>, tokio::task::JoinHandle<()>) {
+    let lowest = Arc::new(AtomicU64::new(u64::MAX));
+    let seen = lowest.clone();
+    let sampler = tokio::spawn(async move {
+        loop {
+            if let Some(count) = metric(agent_port, KNOWN).await {
+                seen.fetch_min(count as u64, Ordering::Relaxed);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    (lowest, sampler)
+}
+
 fn agent_address(server: &Server) -> std::net::SocketAddr {
     std::net::SocketAddr::from(([127, 0, 0, 1], server.agent_port))
 }
@@ -111,14 +139,7 @@ async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
     let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
     let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
     let agent_port = agent.health_port;
-    wait_until(
-        Duration::from_secs(20),
-        "the agent to count and hold 2 servers",
-        || async {
-            metric(agent_port, KNOWN).await == Some(2.0) && metric(agent_port, HELD).await == Some(2.0)
-        },
-    )
-    .await;
+    holds_two_servers(agent_port).await;
     let lists = "konnectivity_network_proxy_agent_lease_lists_total{http_response_code=\"200\",reason=\"\"}";
     let watches =
         "konnectivity_network_proxy_agent_lease_watches_total{http_response_code=\"200\",reason=\"\"}";
@@ -169,28 +190,10 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
     let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
     let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
     let agent_port = agent.health_port;
-    wait_until(
-        Duration::from_secs(20),
-        "the agent to count 2 servers",
-        || async {
-            metric(agent_port, KNOWN).await == Some(2.0) && metric(agent_port, HELD).await == Some(2.0)
-        },
-    )
-    .await;
+    holds_two_servers(agent_port).await;
 
     // From here on, the count is sampled all along: it must not flap.
-    let lowest = Arc::new(AtomicU64::new(2));
-    let sampler = {
-        let lowest = lowest.clone();
-        tokio::spawn(async move {
-            loop {
-                if let Some(count) = metric(agent_port, KNOWN).await {
-                    lowest.fetch_min(count as u64, Ordering::Relaxed);
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    let (lowest, sampler) = lowest_count(agent_port);
 
     // Someone else changes server-1's Lease: its next renewal is refused
     // with 409 Conflict; it reads the Lease again and renews that.
@@ -279,26 +282,8 @@ async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
     let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
     let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
     let agent_port = agent.health_port;
-    wait_until(
-        Duration::from_secs(20),
-        "the agent to count 2 servers",
-        || async {
-            metric(agent_port, KNOWN).await == Some(2.0) && metric(agent_port, HELD).await == Some(2.0)
-        },
-    )
-    .await;
-    let lowest = Arc::new(AtomicU64::new(2));
-    let sampler = {
-        let lowest = lowest.clone();
-        tokio::spawn(async move {
-            loop {
-                if let Some(count) = metric(agent_port, KNOWN).await {
-                    lowest.fetch_min(count as u64, Ordering::Relaxed);
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
+    holds_two_servers(agent_port).await;
+    let (lowest, sampler) = lowest_count(agent_port);
     let names = [lease_name("server-1"), lease_name("server-2")];
     api.stop();
     tokio::time::sleep(Duration::from_secs(6)).await;

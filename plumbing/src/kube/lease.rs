@@ -212,18 +212,17 @@ fn with_kind(lease: &Lease) -> Lease {
     lease
 }
 
-/// Percent-encodes what is not unreserved in a URL (RFC 3986), as Go's
-/// url.QueryEscape does for the characters a label selector can hold.
+/// What a URL component may carry unescaped (RFC 3986's unreserved).
+const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
+/// Percent-encodes a path segment or query value (a label selector holds
+/// `=` and `,`).
 fn query_escape(text: &str) -> String {
-    let mut escaped = String::with_capacity(text.len());
-    for byte in text.bytes() {
-        if byte.is_ascii_alphanumeric() || b"-_.~".contains(&byte) {
-            escaped.push(byte as char);
-        } else {
-            escaped.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    escaped
+    percent_encoding::utf8_percent_encode(text, UNRESERVED).to_string()
 }
 
 /// A `--lease-label` value (`k=v,k2=v2`) as labels.
