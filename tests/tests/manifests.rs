@@ -23,6 +23,8 @@ const BASES: [&str; 5] = [
     "node-to-kas-control-plane",
     "node-agent-static",
 ];
+/// Overlays of our own beside the kind ones, under manifests/overlays.
+const OVERLAYS: [&str; 1] = ["every-server"];
 /// Example values for what the kubelet fills in at run time.
 const SAMPLE_FIELDS: [(&str, &str); 2] = [("status.hostIP", "192.0.2.21"), ("spec.nodeName", "node-1")];
 /// What the documented konnectivity ConfigMap holds in the examples.
@@ -248,6 +250,10 @@ fn rendered_base(name: &str) -> Vec<Value> {
     documents(&render(&repo().join("manifests/base").join(name)))
 }
 
+fn rendered_overlay(name: &str) -> Vec<Value> {
+    documents(&render(&repo().join("manifests/overlays").join(name)))
+}
+
 fn find<'a>(runs: &'a [Run], workload: &str) -> &'a Run {
     runs.iter()
         .find(|run| run.workload.starts_with(workload))
@@ -276,6 +282,7 @@ fn every_kustomization_renders_and_validates_against_the_kubernetes_schemas() {
             .iter()
             .map(|b| repo().join("manifests/overlays/kind").join(b)),
     );
+    dirs.extend(OVERLAYS.iter().map(|o| repo().join("manifests/overlays").join(o)));
     for kustomization in &dirs {
         let rendered = render(kustomization);
         let objects = documents(&rendered);
@@ -320,8 +327,12 @@ fn the_binaries_accept_every_flag_the_manifests_give_them() {
         return;
     }
     let mut seen = 0;
-    for base in BASES {
-        for run in runs(&rendered_base(base)) {
+    let rendered = BASES
+        .iter()
+        .map(|base| rendered_base(base))
+        .chain(OVERLAYS.iter().map(|overlay| rendered_overlay(overlay)));
+    for objects in rendered {
+        for run in runs(&objects) {
             check_flags(&run);
             // Probes go to the port the binary serves health on.
             let health = match run.binary.as_str() {
@@ -339,7 +350,7 @@ fn the_binaries_accept_every_flag_the_manifests_give_them() {
             seen += 1;
         }
     }
-    assert!(seen >= 8, "only {seen} konnectivity-rs containers found");
+    assert!(seen >= 9, "only {seen} konnectivity-rs containers found");
 }
 
 #[test]
@@ -498,6 +509,72 @@ fn egress_pieces_agree_with_each_other_and_with_kube_apiserver() {
             "{base}"
         );
     }
+}
+
+/// The every-server overlay: agents dial each proxy-server by the one name
+/// a headless Service gives them all, with no load balancer in between.
+#[test]
+fn the_every_server_overlay_names_each_server_through_a_headless_service() {
+    if !tool_available("kubectl", &["version", "--client"]) {
+        return;
+    }
+    let objects = rendered_overlay("every-server");
+    let control_plane = rendered_base("egress-control-plane");
+    let server_pod = control_plane
+        .iter()
+        .find(|o| o["kind"] == "Pod")
+        .expect("the server's static pod");
+    let server = find(&runs(&control_plane), "Pod/konnectivity-server")
+        .args
+        .clone();
+    let agents = runs(&objects);
+    let agent = find(&agents, "DaemonSet/konnectivity-agent");
+    let service = objects
+        .iter()
+        .find(|o| o["kind"] == "Service")
+        .expect("a Service naming the servers");
+
+    // Headless: its name resolves to every server, not to one virtual IP.
+    assert_eq!(service["spec"]["clusterIP"], "None");
+    // It selects the servers' static pods (their mirror pods' labels).
+    let selector = service["spec"]["selector"].as_object().unwrap();
+    assert!(!selector.is_empty());
+    for (key, value) in selector {
+        assert_eq!(
+            &server_pod["metadata"]["labels"][key], value,
+            "the Service selects {key}={value}, which the server pod does not carry"
+        );
+    }
+    // On the port the servers take agents on, which the agents dial.
+    let agent_port = server
+        .iter()
+        .find_map(|arg| arg.strip_prefix("--agent-port="))
+        .expect("the server's --agent-port");
+    let port = &service["spec"]["ports"][0];
+    assert_eq!(port["port"].to_string(), agent_port);
+    assert_eq!(port["targetPort"].to_string(), agent_port);
+    assert_eq!(agent.flag("proxy-server-port"), Some(agent_port));
+
+    // Agents resolve the Service's name and hold a stream to each address.
+    let name = format!(
+        "{}.{}.svc",
+        service["metadata"]["name"].as_str().unwrap(),
+        service["metadata"]["namespace"].as_str().unwrap()
+    );
+    assert_eq!(agent.flag("proxy-server-host"), Some(name.as_str()));
+    assert_eq!(agent.flag("dial-every-address"), Some("true"));
+    // Lease counting is not applied with every address dialed (the agent
+    // would warn at each start), and the ConfigMap's host is not read: a
+    // key left out of it must not keep the pod from starting.
+    assert_eq!(agent.flag("count-server-leases"), None);
+    let from_config_map = agent.container["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|var| !var["valueFrom"]["configMapKeyRef"].is_null())
+        .count();
+    assert_eq!(from_config_map, 0, "{:?}", agent.container["env"]);
+    check_flags(agent);
 }
 
 #[test]
