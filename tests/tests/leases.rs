@@ -16,7 +16,9 @@ use serde_json::Value;
 
 use crate::support::balancer::RoundRobin;
 use crate::support::certs::Pki;
-use crate::support::kube_api::KubeApi;
+use crate::support::image::{Binaries, PodEnvironment};
+use crate::support::kube_api::{KubeApi, SERVICE_ACCOUNT_TOKEN};
+use crate::support::netns::root_or_skip;
 use crate::support::procs::{Agent, Server};
 use crate::support::scrape::metric;
 use crate::support::{TempDir, wait_until};
@@ -311,4 +313,70 @@ async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
         "the agent counted a server out"
     );
     assert_eq!(api.lease_names(NAMESPACE).len(), 2);
+}
+
+/// The egress DaemonSet's agent counts Leases with no kubeconfig: through
+/// the pod's own ServiceAccount (token and CA where the kubelet mounts
+/// them, the `kubernetes` Service from the environment, kube-apiserver's
+/// certificate checked against kubernetes.default.svc). From the image, as
+/// uid 65532, with the manifests' flags.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_in_a_pod_counts_leases_with_its_service_account() {
+    // Entering the image's filesystem needs root (mount, chroot).
+    if !root_or_skip("an_agent_in_a_pod_counts_leases_with_its_service_account") {
+        return;
+    }
+    let Some(image) = Binaries::image() else {
+        return;
+    };
+    let dir = TempDir::new("konn-leases");
+    let pki = Pki::new(dir.path());
+    let mut api = KubeApi::start(&pki).await;
+    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s").await;
+    let second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s", "1s").await;
+    let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
+
+    let pod = PodEnvironment {
+        service_account: api.service_account(dir.path(), &pki),
+        kubernetes_service: std::net::SocketAddr::from(([127, 0, 0, 1], api.port)),
+    };
+    let agent = Agent::start_from(
+        &image.as_user(65532).in_pod(pod),
+        dir.path(),
+        &pki,
+        balancer.addr.port(),
+        "agent-1",
+        &[
+            "--count-server-leases=true".to_owned(),
+            "--probe-interval=200ms".to_owned(),
+        ],
+    );
+    let agent_port = agent.health_port;
+    holds_two_servers(agent_port).await;
+    assert!(api.calls("GET watch") >= 1, "the agent watches the Leases");
+
+    // The kubelet rotates the projected token in place; the old one expires.
+    // The agent's next list (after kube-apiserver cut its watch) carries
+    // the new one.
+    let token = format!(
+        "/proc/{}/root/run/secrets/kubernetes.io/serviceaccount/token",
+        agent.proc.pid()
+    );
+    std::fs::write(&token, "rotated-token").unwrap();
+    api.rotate_token(SERVICE_ACCOUNT_TOKEN, "rotated-token");
+    let lists = "konnectivity_network_proxy_agent_lease_lists_total{http_response_code=\"200\",reason=\"\"}";
+    let listed = metric(agent_port, lists).await.unwrap();
+    api.restart().await;
+    wait_until(
+        Duration::from_secs(10),
+        "a list with the rotated token",
+        || async { metric(agent_port, lists).await > Some(listed) },
+    )
+    .await;
+    assert_eq!(metric(agent_port, KNOWN).await, Some(2.0));
+    let log = agent.proc.log_text();
+    for secret in [SERVICE_ACCOUNT_TOKEN, "rotated-token"] {
+        assert!(!log.contains(secret), "{log}");
+    }
 }

@@ -20,7 +20,8 @@ pub struct CertFiles {
 /// Files for every identity a test needs.
 pub struct Pki {
     pub ca: PathBuf,
-    /// proxy-server: SANs localhost, 127.0.0.1.
+    /// proxy-server (and the stand-in kube-apiserver): SANs localhost,
+    /// 127.0.0.1, 10.222.0.2, kubernetes.default.svc.
     pub server: CertFiles,
     /// proxy-agent client certificate.
     pub agent: CertFiles,
@@ -181,8 +182,11 @@ impl Pki {
             server: leaf(
                 dir,
                 "proxy-server",
-                // 10.222.0.2: the server's address in the network-namespace tests.
-                &["localhost", "127.0.0.1", "10.222.0.2"],
+                // 10.222.0.2: the server's address in the network-namespace
+                // tests. kubernetes.default.svc: the name pods check
+                // kube-apiserver's certificate against (the stand-in
+                // kube-apiserver serves this certificate).
+                &["localhost", "127.0.0.1", "10.222.0.2", "kubernetes.default.svc"],
                 ExtendedKeyUsagePurpose::ServerAuth,
                 &authority,
             ),

@@ -17,23 +17,50 @@ use super::procs::bin;
 pub enum Binaries {
     /// `target/<profile>/`, on this machine's filesystem.
     Build,
-    /// The image's root filesystem, as root or as another user.
-    Image { root: Arc<PathBuf>, user: Option<u32> },
+    /// The image's root filesystem, as root or as another user, optionally
+    /// as a pod sees it.
+    Image {
+        root: Arc<PathBuf>,
+        user: Option<u32>,
+        pod: Option<Arc<PodEnvironment>>,
+    },
+}
+
+/// What a pod's container finds without asking: its ServiceAccount's token
+/// and the cluster CA where the kubelet mounts them, and the `kubernetes`
+/// Service in its environment.
+#[derive(Debug)]
+pub struct PodEnvironment {
+    /// Holds `token` and `ca.crt`.
+    pub service_account: PathBuf,
+    /// KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT.
+    pub kubernetes_service: std::net::SocketAddr,
 }
 
 /// Mounts what the process needs from the host, then enters the image with
 /// the PATH a Debian image gives its processes. Run by `unshare --mount
 /// --propagation slave`: mounts made here never reach the host, and network
 /// namespaces the host adds later (pods) still appear under `/run/netns`.
+///
+/// As a pod (a service-account directory given): `/run` is the container's
+/// own, holding the ServiceAccount at /var/run/secrets/kubernetes.io/
+/// serviceaccount (the image's /var/run is /run), and the `kubernetes`
+/// Service's address is in the environment.
 const ENTER_IMAGE: &str = r#"set -e
-root=$1 user=$2
-shift 2
+root=$1 user=$2 account=$3 host=$4 port=$5
+shift 5
 mount --rbind /tmp "$root/tmp"
 mount --rbind /dev "$root/dev"
 mount --rbind /run "$root/run"
 mount -t proc proc "$root/proc"
-exec chroot ${user:+--userspec=$user:$user} "$root" \
-  /usr/bin/env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@""#;
+set -- PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@"
+if [ -n "$account" ]; then
+  mount -t tmpfs -o mode=0755 pod-run "$root/run"
+  mkdir -p "$root/run/secrets/kubernetes.io/serviceaccount"
+  cp "$account/token" "$account/ca.crt" "$root/run/secrets/kubernetes.io/serviceaccount/"
+  set -- KUBERNETES_SERVICE_HOST="$host" KUBERNETES_SERVICE_PORT="$port" "$@"
+fi
+exec chroot ${user:+--userspec=$user:$user} "$root" /usr/bin/env "$@""#;
 
 impl Binaries {
     /// The image's files, if `hack/image.sh` exported them; without them a
@@ -46,6 +73,7 @@ impl Binaries {
             return Some(Binaries::Image {
                 root: Arc::new(root),
                 user: None,
+                pod: None,
             });
         }
         assert!(
@@ -64,9 +92,22 @@ impl Binaries {
     pub fn as_user(&self, uid: u32) -> Binaries {
         match self {
             Binaries::Build => panic!("build binaries run as the test's user"),
-            Binaries::Image { root, .. } => Binaries::Image {
+            Binaries::Image { root, pod, .. } => Binaries::Image {
                 root: root.clone(),
                 user: Some(uid),
+                pod: pod.clone(),
+            },
+        }
+    }
+
+    /// The same binaries, run as in a pod with `pod`'s ServiceAccount.
+    pub fn in_pod(&self, pod: PodEnvironment) -> Binaries {
+        match self {
+            Binaries::Build => panic!("build binaries run on the test's filesystem"),
+            Binaries::Image { root, user, .. } => Binaries::Image {
+                root: root.clone(),
+                user: *user,
+                pod: Some(Arc::new(pod)),
             },
         }
     }
@@ -77,7 +118,7 @@ impl Binaries {
             Binaries::Build => std::iter::once(bin(binary).display().to_string())
                 .chain(args.iter().cloned())
                 .collect(),
-            Binaries::Image { root, user } => [
+            Binaries::Image { root, user, pod } => [
                 "unshare",
                 "--mount",
                 "--propagation",
@@ -93,8 +134,16 @@ impl Binaries {
             .chain([
                 root.display().to_string(),
                 user.map(|uid| uid.to_string()).unwrap_or_default(),
-                format!("/usr/local/bin/{binary}"),
             ])
+            .chain(match pod {
+                Some(pod) => [
+                    pod.service_account.display().to_string(),
+                    pod.kubernetes_service.ip().to_string(),
+                    pod.kubernetes_service.port().to_string(),
+                ],
+                None => Default::default(),
+            })
+            .chain([format!("/usr/local/bin/{binary}")])
             .chain(args.iter().cloned())
             .collect(),
         }

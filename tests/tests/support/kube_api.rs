@@ -30,6 +30,8 @@ use super::certs::Pki;
 
 /// The token callers must present (from the kubeconfig below).
 pub const TOKEN: &str = "lease-client-secret";
+/// The token of the pod ServiceAccount below.
+pub const SERVICE_ACCOUNT_TOKEN: &str = "pod-service-account-token";
 
 const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/";
 
@@ -47,6 +49,8 @@ struct Store {
     refused_updates: Vec<String>,
     /// Calls by "METHOD kind" (kind: list, watch, get, create, update, delete).
     calls: HashMap<String, usize>,
+    /// Bearer tokens accepted.
+    tokens: Vec<String>,
 }
 
 #[derive(Clone)]
@@ -78,7 +82,10 @@ impl KubeApi {
         let port = listener.local_addr().unwrap().port();
         let mut api = KubeApi {
             port,
-            store: Arc::default(),
+            store: Arc::new(Mutex::new(Store {
+                tokens: vec![TOKEN.to_owned(), SERVICE_ACCOUNT_TOKEN.to_owned()],
+                ..Store::default()
+            })),
             changes: broadcast::channel(4096).0,
             tls: tokio_rustls::TlsAcceptor::from(pki.server_tls(&pki.server)),
             serving: None,
@@ -96,7 +103,10 @@ impl KubeApi {
 
     /// Comes back on the same port with what it stored.
     pub async fn restart(&mut self) {
-        self.stop();
+        // Waits for the listener to be gone before binding its port again.
+        if let Some(mut serving) = self.serving.take() {
+            serving.shutdown().await;
+        }
         let addr = SocketAddr::from(([127, 0, 0, 1], self.port));
         let listener = TcpListener::bind(addr).await.unwrap();
         self.serve(listener);
@@ -148,6 +158,24 @@ impl KubeApi {
         );
         std::fs::write(&path, text).unwrap();
         path
+    }
+
+    /// A ServiceAccount's files as the kubelet mounts them into a pod
+    /// (`token`, `ca.crt`), with [`SERVICE_ACCOUNT_TOKEN`].
+    pub fn service_account(&self, dir: &Path, pki: &Pki) -> PathBuf {
+        let account = dir.join("serviceaccount");
+        std::fs::create_dir_all(&account).unwrap();
+        std::fs::write(account.join("token"), SERVICE_ACCOUNT_TOKEN).unwrap();
+        std::fs::copy(&pki.ca, account.join("ca.crt")).unwrap();
+        account
+    }
+
+    /// A rotated ServiceAccount token: `new` is accepted from now on, `old`
+    /// no longer (it expired).
+    pub fn rotate_token(&self, old: &str, new: &str) {
+        let tokens = &mut self.store.lock().unwrap().tokens;
+        tokens.retain(|token| token != old);
+        tokens.push(new.to_owned());
     }
 
     /// The stored Lease, if any.
@@ -292,10 +320,15 @@ async fn handle(
     store: &Arc<Mutex<Store>>,
     changes: &broadcast::Sender<Change>,
 ) -> Response<Body> {
-    let authorized = request
-        .headers()
-        .get("authorization")
-        .is_some_and(|value| value == format!("Bearer {TOKEN}").as_str());
+    let authorized = {
+        let tokens = &store.lock().unwrap().tokens;
+        let bearer = request
+            .headers()
+            .get("authorization")
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix("Bearer "));
+        bearer.is_some_and(|bearer| tokens.iter().any(|token| token == bearer))
+    };
     if !authorized {
         return failure(
             StatusCode::UNAUTHORIZED,
