@@ -54,6 +54,28 @@ async fn lease_server(
     Server::start(dir.path(), pki, "http-connect", true, &extra).await
 }
 
+/// Two lease servers (`server-1`, `server-2`) behind a round-robin balancer,
+/// which is how agents reach servers that count by Leases.
+struct TwoServers {
+    servers: [Server; 2],
+    balancer: RoundRobin,
+}
+
+impl TwoServers {
+    async fn start(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, duration: &str, gc: &str) -> Self {
+        let servers = [
+            lease_server(dir, pki, kubeconfig, "server-1", duration, gc).await,
+            lease_server(dir, pki, kubeconfig, "server-2", duration, gc).await,
+        ];
+        let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
+        TwoServers { servers, balancer }
+    }
+
+    fn balancer_port(&self) -> u16 {
+        self.balancer.addr.port()
+    }
+}
+
 fn counting_agent(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, port: u16) -> Agent {
     Agent::start(
         dir.path(),
@@ -187,10 +209,9 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
     let pki = Pki::new(dir.path());
     let mut api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s").await;
-    let second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s", "1s").await;
-    let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
-    let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
+    let servers = TwoServers::start(&dir, &pki, &kubeconfig, "8s", "1s").await;
+    let [first, second] = &servers.servers;
+    let agent = counting_agent(&dir, &pki, &kubeconfig, servers.balancer_port());
     let agent_port = agent.health_port;
     holds_two_servers(agent_port).await;
 
@@ -277,12 +298,8 @@ async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
     let pki = Pki::new(dir.path());
     let mut api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let servers = [
-        lease_server(&dir, &pki, &kubeconfig, "server-1", "3s", "30s").await,
-        lease_server(&dir, &pki, &kubeconfig, "server-2", "3s", "30s").await,
-    ];
-    let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
-    let agent = counting_agent(&dir, &pki, &kubeconfig, balancer.addr.port());
+    let servers = TwoServers::start(&dir, &pki, &kubeconfig, "3s", "30s").await;
+    let agent = counting_agent(&dir, &pki, &kubeconfig, servers.balancer_port());
     let agent_port = agent.health_port;
     holds_two_servers(agent_port).await;
     let (lowest, sampler) = lowest_count(agent_port);
@@ -333,9 +350,7 @@ async fn an_agent_in_a_pod_counts_leases_with_its_service_account() {
     let pki = Pki::new(dir.path());
     let mut api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s").await;
-    let second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s", "1s").await;
-    let balancer = RoundRobin::start(vec![agent_address(&first), agent_address(&second)]).await;
+    let servers = TwoServers::start(&dir, &pki, &kubeconfig, "8s", "1s").await;
 
     let pod = PodEnvironment {
         service_account: api.service_account(dir.path(), &pki),
@@ -345,7 +360,7 @@ async fn an_agent_in_a_pod_counts_leases_with_its_service_account() {
         &image.as_user(65532).in_pod(pod),
         dir.path(),
         &pki,
-        balancer.addr.port(),
+        servers.balancer_port(),
         "agent-1",
         &[
             "--count-server-leases=true".to_owned(),
