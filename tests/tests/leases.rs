@@ -332,6 +332,73 @@ async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
     assert_eq!(api.lease_names(NAMESPACE).len(), 2);
 }
 
+/// kube-apiserver keeps a limited history of changes (etcd compacts it; a
+/// restarted kube-apiserver's watch cache starts at its own first list). An
+/// agent whose watch ended and that watches again from a version no longer
+/// kept is told so by an `ERROR` event, 410 Expired, and must list again:
+/// that is the only way it learns of a Lease created meanwhile. A watch that
+/// merely ended is taken up again from the last version, without a list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_whose_watch_version_expired_lists_again() {
+    let dir = TempDir::new("konn-leases");
+    let pki = Pki::new(dir.path());
+    let api = KubeApi::start(&pki).await;
+    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s").await;
+    // The agent dials server-1 only: the count it learns comes from the
+    // Leases alone.
+    let agent = counting_agent(&dir, &pki, &kubeconfig, first.agent_port);
+    let agent_port = agent.health_port;
+    let lists = "konnectivity_network_proxy_agent_lease_lists_total{http_response_code=\"200\",reason=\"\"}";
+    wait_until(Duration::from_secs(10), "the agent to list and watch", || async {
+        metric(agent_port, lists).await >= Some(1.0) && api.calls("GET watch") >= 1
+    })
+    .await;
+    assert_eq!(metric(agent_port, KNOWN).await, Some(1.0));
+
+    // The watch ends; the agent's next one waits while server-2 creates its
+    // Lease and the history is compacted past what the agent saw.
+    api.hold_watches(true);
+    api.end_watches();
+    wait_until(Duration::from_secs(5), "the agent to watch again", || async {
+        api.calls("GET watch") >= 2
+    })
+    .await;
+    let _second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s", "1s").await;
+    wait_until(Duration::from_secs(10), "server-2's Lease", || async {
+        api.lease_names(NAMESPACE).len() == 2
+    })
+    .await;
+    api.compact();
+    let listed = metric(agent_port, lists).await.unwrap();
+    api.hold_watches(false);
+    wait_until(
+        Duration::from_secs(10),
+        "the agent to count 2 servers",
+        || async { metric(agent_port, KNOWN).await == Some(2.0) },
+    )
+    .await;
+    assert!(
+        metric(agent_port, lists).await > Some(listed),
+        "the agent listed again"
+    );
+
+    // A watch that ends with its version still kept: the agent watches on
+    // from where it was, and lists nothing.
+    let listed = metric(agent_port, lists).await.unwrap();
+    let watches = api.calls("GET watch");
+    api.end_watches();
+    wait_until(Duration::from_secs(5), "the agent to watch again", || async {
+        api.calls("GET watch") > watches
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(metric(agent_port, lists).await, Some(listed));
+    assert_eq!(metric(agent_port, KNOWN).await, Some(2.0));
+    let log = agent.proc.log_text();
+    assert!(!log.contains("cannot list or watch"), "{log}");
+}
+
 /// The egress DaemonSet's agent counts Leases with no kubeconfig: through
 /// the pod's own ServiceAccount (token and CA where the kubelet mounts
 /// them, the `kubernetes` Service from the environment, kube-apiserver's

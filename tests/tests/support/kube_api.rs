@@ -3,9 +3,11 @@
 //! one resourceVersion sequence for every change, updates and deletions
 //! refused with 409 Conflict when their resourceVersion is not the stored
 //! one, `labelSelector` (equality terms) on lists and watches, watches
-//! streamed as one JSON event per line from a resourceVersion on, and
-//! `Status` objects with kube-apiserver's reasons on errors. It checks the
-//! caller's bearer token (401 otherwise) and counts the calls.
+//! streamed as one JSON event per line from a resourceVersion on (ending
+//! at `timeoutSeconds`; from a version older than the history kept, one
+//! `ERROR` event with 410 Expired), and `Status` objects with
+//! kube-apiserver's reasons on errors. It checks the caller's bearer token
+//! (401 otherwise) and counts the calls.
 //!
 //! It can go away and come back on the same port with what it stored, as a
 //! restarted kube-apiserver does (its store is etcd), and can refuse one
@@ -16,6 +18,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
@@ -43,14 +46,28 @@ struct Store {
     leases: BTreeMap<(String, String), Value>,
     /// The last resourceVersion handed out.
     version: u64,
-    /// Every change so far, for watches that start from a version.
+    /// Every change after `compacted`, for watches that start from a
+    /// version.
     changes: Vec<Change>,
+    /// Changes up to this version are forgotten (etcd compacted them, or a
+    /// restarted kube-apiserver's watch cache starts after them): a watch
+    /// from an older version is answered 410 Expired.
+    compacted: u64,
     /// Names whose updates are answered 500 (a server that cannot renew).
     refused_updates: Vec<String>,
     /// Calls by "METHOD kind" (kind: list, watch, get, create, update, delete).
     calls: HashMap<String, usize>,
     /// Bearer tokens accepted.
     tokens: Vec<String>,
+}
+
+/// What open watches follow, and how a test steers them.
+struct Watches {
+    changes: broadcast::Sender<Change>,
+    /// While true, watch requests wait before they are answered.
+    held: tokio::sync::watch::Sender<bool>,
+    /// Each change of this ends every open watch.
+    ended: tokio::sync::watch::Sender<u64>,
 }
 
 #[derive(Clone)]
@@ -64,7 +81,7 @@ struct Change {
 pub struct KubeApi {
     pub port: u16,
     store: Arc<Mutex<Store>>,
-    changes: broadcast::Sender<Change>,
+    watches: Arc<Watches>,
     tls: tokio_rustls::TlsAcceptor,
     /// The listener and every connection, while serving.
     serving: Option<JoinSet<()>>,
@@ -86,7 +103,11 @@ impl KubeApi {
                 tokens: vec![TOKEN.to_owned(), SERVICE_ACCOUNT_TOKEN.to_owned()],
                 ..Store::default()
             })),
-            changes: broadcast::channel(4096).0,
+            watches: Arc::new(Watches {
+                changes: broadcast::channel(4096).0,
+                held: tokio::sync::watch::Sender::new(false),
+                ended: tokio::sync::watch::Sender::new(0),
+            }),
             tls: tokio_rustls::TlsAcceptor::from(pki.server_tls(&pki.server)),
             serving: None,
         };
@@ -115,7 +136,7 @@ impl KubeApi {
     fn serve(&mut self, listener: TcpListener) {
         let mut serving = JoinSet::new();
         let (connections_tx, mut connections) = mpsc::unbounded_channel();
-        let (store, changes, tls) = (self.store.clone(), self.changes.clone(), self.tls.clone());
+        let (store, watches, tls) = (self.store.clone(), self.watches.clone(), self.tls.clone());
         serving.spawn(async move {
             while let Ok((tcp, _)) = listener.accept().await {
                 let _ = connections_tx.send(tcp);
@@ -127,14 +148,14 @@ impl KubeApi {
         serving.spawn(async move {
             let _held = held;
             while let Some(tcp) = connections.recv().await {
-                let (store, changes, tls) = (store.clone(), changes.clone(), tls.clone());
+                let (store, watches, tls) = (store.clone(), watches.clone(), tls.clone());
                 set.lock().unwrap().spawn(async move {
                     let Ok(stream) = tls.accept(tcp).await else {
                         return;
                     };
                     let service = hyper::service::service_fn(move |request| {
-                        let (store, changes) = (store.clone(), changes.clone());
-                        async move { Ok::<_, Infallible>(handle(request, &store, &changes).await) }
+                        let (store, watches) = (store.clone(), watches.clone());
+                        async move { Ok::<_, Infallible>(handle(request, &store, &watches).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
@@ -208,7 +229,14 @@ impl KubeApi {
         lease["metadata"]["resourceVersion"] = json!(version.to_string());
         lease["metadata"]["annotations"] = json!({"touched-by": "test"});
         let object = lease.clone();
-        record(&mut store, &self.changes, "MODIFIED", namespace, object, version);
+        record(
+            &mut store,
+            &self.watches.changes,
+            "MODIFIED",
+            namespace,
+            object,
+            version,
+        );
     }
 
     /// Answers 500 to every update of this Lease from now on.
@@ -223,6 +251,27 @@ impl KubeApi {
             .unwrap()
             .refused_updates
             .retain(|refused| refused != name);
+    }
+
+    /// Forgets the changes made so far, as etcd's compaction does: a watch
+    /// from an older version is answered with an `ERROR` event, 410 Expired.
+    pub fn compact(&self) {
+        let mut store = self.store.lock().unwrap();
+        store.compacted = store.version;
+        store.changes.clear();
+    }
+
+    /// Ends every open watch, as kube-apiserver does when a watch's time is
+    /// up; clients watch again from the last version they saw.
+    pub fn end_watches(&self) {
+        self.watches.ended.send_modify(|generation| *generation += 1);
+    }
+
+    /// While `hold`, watch requests wait before they are answered (a slow
+    /// way back to kube-apiserver), so a test can change and compact the
+    /// store between a watch's end and the next one.
+    pub fn hold_watches(&self, hold: bool) {
+        self.watches.held.send_replace(hold);
     }
 
     /// How many calls of this kind were made ("PUT update", "GET watch", ...).
@@ -315,11 +364,8 @@ fn percent_decode(text: &str) -> String {
     String::from_utf8(out).unwrap()
 }
 
-async fn handle(
-    request: Request<Incoming>,
-    store: &Arc<Mutex<Store>>,
-    changes: &broadcast::Sender<Change>,
-) -> Response<Body> {
+async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: &Watches) -> Response<Body> {
+    let changes = &watches.changes;
     let authorized = {
         let tokens = &store.lock().unwrap().tokens;
         let bearer = request
@@ -373,7 +419,12 @@ async fn handle(
                 .get("resourceVersion")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
-            watch(store, changes, namespace, selector, from)
+            let timeout = query
+                .get("timeoutSeconds")
+                .and_then(|seconds| seconds.parse().ok())
+                .map(Duration::from_secs);
+            let _ = watches.held.subscribe().wait_for(|held| !held).await;
+            watch(store, watches, namespace, selector, from, timeout)
         }
         (&Method::GET, None) => {
             call("list");
@@ -507,50 +558,77 @@ fn conflict(name: &str) -> Response<Body> {
 }
 
 /// A watch: the changes after `from` that match, then each new one, one
-/// JSON event per line, until the client goes or the stand-in stops.
+/// JSON event per line, until `timeout`, the client goes, the test ends the
+/// watches or the stand-in stops. From a version older than the history
+/// kept: one `ERROR` event, 410 Expired, as kube-apiserver's watch cache
+/// answers (the HTTP status is 200: the watch itself was accepted).
 fn watch(
     store: &Arc<Mutex<Store>>,
-    changes: &broadcast::Sender<Change>,
+    watches: &Watches,
     namespace: String,
     selector: String,
     from: u64,
+    timeout: Option<Duration>,
 ) -> Response<Body> {
     let (events, body) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
+    let line = |value: Value| Ok(Frame::data(Bytes::from(value.to_string() + "\n")));
     // Subscribed before reading the past, so nothing falls in between.
-    let mut live = changes.subscribe();
-    let past: Vec<Change> = store
-        .lock()
-        .unwrap()
-        .changes
-        .iter()
-        .filter(|change| change.version > from)
-        .cloned()
-        .collect();
-    tokio::spawn(async move {
-        let mut last = from;
-        let event = |change: &Change| {
-            let line = json!({"type": change.kind, "object": change.object}).to_string() + "\n";
-            Ok(Frame::data(Bytes::from(line)))
-        };
-        let wanted = |change: &Change| {
-            change.namespace == namespace && matches(&selector, &change.object["metadata"]["labels"])
-        };
-        for change in past {
-            last = change.version;
-            if wanted(&change) && events.send(event(&change)).await.is_err() {
-                return;
+    let mut live = watches.changes.subscribe();
+    let mut ended = watches.ended.subscribe();
+    let (past, compacted) = {
+        let store = store.lock().unwrap();
+        let past: Vec<Change> = store
+            .changes
+            .iter()
+            .filter(|change| change.version > from)
+            .cloned()
+            .collect();
+        (past, store.compacted)
+    };
+    if from != 0 && from < compacted {
+        let expired = json!({"type": "ERROR", "object": {
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": format!("too old resource version: {from} ({compacted})"),
+            "reason": "Expired", "code": 410,
+        }});
+        let _ = events.try_send(line(expired));
+    } else {
+        tokio::spawn(async move {
+            let event = |change: &Change| line(json!({"type": change.kind, "object": change.object}));
+            let wanted = |change: &Change| {
+                change.namespace == namespace && matches(&selector, &change.object["metadata"]["labels"])
+            };
+            let follow = async {
+                let mut last = from;
+                for change in past {
+                    last = change.version;
+                    if wanted(&change) && events.send(event(&change)).await.is_err() {
+                        return;
+                    }
+                }
+                while let Ok(change) = live.recv().await {
+                    if change.version <= last {
+                        continue;
+                    }
+                    last = change.version;
+                    if wanted(&change) && events.send(event(&change)).await.is_err() {
+                        return;
+                    }
+                }
+            };
+            let time_up = async {
+                match timeout {
+                    Some(timeout) => tokio::time::sleep(timeout).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = follow => {}
+                _ = time_up => {}
+                _ = ended.changed() => {}
             }
-        }
-        while let Ok(change) = live.recv().await {
-            if change.version <= last {
-                continue;
-            }
-            last = change.version;
-            if wanted(&change) && events.send(event(&change)).await.is_err() {
-                return;
-            }
-        }
-    });
+        });
+    }
     Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "application/json")
