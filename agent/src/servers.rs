@@ -470,3 +470,41 @@ impl Drop for SessionTask {
         self.0.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn source(max: bool, leases: Option<u32>) -> ServerCountSource {
+        ServerCountSource {
+            max,
+            leases: leases.map(|count| watch::channel(count).1),
+        }
+    }
+
+    /// Upstream's aggregate counter: without Leases the servers' count;
+    /// with Leases, `default` takes the Leases' count alone and `max` the
+    /// larger of the two; never fewer than one.
+    #[test]
+    fn the_server_count_combines_as_upstreams() {
+        let cases = [
+            // (max, Lease count, announced by the servers, wanted)
+            (false, None, 3, 3),
+            (true, None, 3, 3),
+            (false, None, 0, 1),
+            (false, Some(2), 5, 2),
+            (false, Some(4), 1, 4),
+            (true, Some(2), 5, 5),
+            (true, Some(4), 1, 4),
+            (true, Some(0), 0, 1),
+            (false, Some(0), 3, 1),
+        ];
+        for (max, leases, announced, wanted) in cases {
+            assert_eq!(
+                source(max, leases).wanted(announced),
+                wanted,
+                "max={max} leases={leases:?} announced={announced}"
+            );
+        }
+    }
+}
