@@ -168,17 +168,7 @@ impl KubeApi {
 
     /// A kubeconfig for proxy-server or proxy-agent pointing at this stand-in.
     pub fn kubeconfig(&self, dir: &Path, pki: &Pki) -> PathBuf {
-        let path = dir.join("leases.kubeconfig");
-        let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: standin\n\
-             clusters:\n- name: standin\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {ca}\n\
-             users:\n- name: konnectivity\n  user:\n    token: {TOKEN}\n\
-             contexts:\n- name: standin\n  context:\n    cluster: standin\n    user: konnectivity\n",
-            port = self.port,
-            ca = pki.ca.display(),
-        );
-        std::fs::write(&path, text).unwrap();
-        path
+        token_kubeconfig(&dir.join("leases.kubeconfig"), self.port, pki, TOKEN)
     }
 
     /// A ServiceAccount's files as the kubelet mounts them into a pod
@@ -278,6 +268,21 @@ impl KubeApi {
     pub fn calls(&self, call: &str) -> usize {
         self.store.lock().unwrap().calls.get(call).copied().unwrap_or(0)
     }
+}
+
+/// Writes a kubeconfig at `path` for a stand-in kube-apiserver on
+/// 127.0.0.1:`port` (its certificate from `pki`), authenticating with a
+/// bearer `token`, as kubeconfigs for ServiceAccounts and static tokens do.
+pub fn token_kubeconfig(path: &Path, port: u16, pki: &Pki, token: &str) -> PathBuf {
+    let text = format!(
+        "apiVersion: v1\nkind: Config\ncurrent-context: standin\n\
+         clusters:\n- name: standin\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {ca}\n\
+         users:\n- name: konnectivity\n  user:\n    token: {token}\n\
+         contexts:\n- name: standin\n  context:\n    cluster: standin\n    user: konnectivity\n",
+        ca = pki.ca.display(),
+    );
+    std::fs::write(path, text).unwrap();
+    path.to_owned()
 }
 
 fn next_version(store: &mut Store) -> u64 {

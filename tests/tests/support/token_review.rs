@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use super::certs::Pki;
+use super::kube_api::token_kubeconfig;
 
 /// The token proxy-server must present to the stand-in (from its kubeconfig).
 pub const REVIEWER_TOKEN: &str = "reviewer-secret";
@@ -80,17 +81,7 @@ impl TokenReviewer {
 
     /// A kubeconfig for proxy-server pointing at this stand-in.
     pub fn kubeconfig(&self, dir: &Path, pki: &Pki) -> PathBuf {
-        let path = dir.join("reviewer.kubeconfig");
-        let text = format!(
-            "apiVersion: v1\nkind: Config\ncurrent-context: standin\n\
-             clusters:\n- name: standin\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {ca}\n\
-             users:\n- name: proxy-server\n  user:\n    token: {REVIEWER_TOKEN}\n\
-             contexts:\n- name: standin\n  context:\n    cluster: standin\n    user: proxy-server\n",
-            port = self.port,
-            ca = pki.ca.display(),
-        );
-        std::fs::write(&path, text).unwrap();
-        path
+        token_kubeconfig(&dir.join("reviewer.kubeconfig"), self.port, pki, REVIEWER_TOKEN)
     }
 }
 
