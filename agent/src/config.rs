@@ -7,15 +7,13 @@ use std::time::Duration;
 
 use clap::{ArgAction, Parser};
 use konnectivity_plumbing::flags::{FlagError, identity_pair, invalid, pem_file};
-use konnectivity_plumbing::flags::{
-    GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
-};
+use konnectivity_plumbing::flags::{GoList, parse_bool, parse_duration, parse_list, parse_port};
 use konnectivity_plumbing::klog::KlogArgs;
 
 use crate::capture::CniSettings;
 use crate::capture::map::{Capture, CaptureMap};
 pub use crate::leases::LeaseCounting;
-use konnectivity_plumbing::kube::KubeEndpoint;
+use konnectivity_plumbing::kube::{KubeEndpoint, LabelSelector};
 use konnectivity_plumbing::tls::{Identity, PemFile};
 use konnectivity_proto::AgentIdentifiers;
 
@@ -103,11 +101,12 @@ pub struct Args {
     pub lease_namespace: String,
     /// Label selector of the server Leases to count (upstream v0.36.0's name of
     /// --lease-label-selector; the latter wins when both are given).
-    #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
-    pub lease_label: String,
-    /// Label selector of the server Leases to count (upstream master's name).
-    #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
-    pub lease_label_selector: String,
+    #[arg(long, value_parser = LabelSelector::parse, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label: LabelSelector,
+    /// Label selector of the server Leases to count, as kubectl's -l takes it
+    /// (k=v, k!=v, k in (a,b), k notin (a,b), k, !k; comma-separated, all must hold).
+    #[arg(long, value_parser = LabelSelector::parse, default_value = "k8s-app=konnectivity-server")]
+    pub lease_label_selector: LabelSelector,
     /// With --count-server-leases, where the server count comes from: default (the
     /// Leases alone) or max (the larger of the Leases' count and the servers' own).
     #[arg(long, default_value = "default")]
@@ -513,26 +512,37 @@ fn lease_counting(args: &Args) -> Result<Option<LeaseCounting>, ConfigError> {
             "must not be empty with --count-server-leases",
         ));
     }
-    const DEFAULT_SELECTOR: &str = "k8s-app=konnectivity-server";
-    let (flag, selector) =
-        if args.lease_label_selector != DEFAULT_SELECTOR || args.lease_label == DEFAULT_SELECTOR {
-            ("lease-label-selector", &args.lease_label_selector)
-        } else {
-            ("lease-label", &args.lease_label)
-        };
-    let labels = konnectivity_plumbing::kube::lease::parse_labels(selector);
-    if labels.is_empty() {
-        return Err(invalid(
-            flag,
-            "must name at least one key=value with --count-server-leases",
-        ));
-    }
+    let selector = lease_selector(args)?;
     let kube = KubeEndpoint::from_flag(&args.kubeconfig).map_err(|e| invalid("kubeconfig", e.to_string()))?;
     Ok(Some(LeaseCounting {
         kube,
         namespace: args.lease_namespace.clone(),
-        selector: konnectivity_plumbing::kube::lease::selector(&labels),
+        selector,
     }))
+}
+
+/// The selector of the Leases to count, in its normal form: that of
+/// `--lease-label-selector`, or of v0.36.0's `--lease-label` when only that
+/// one is given.
+fn lease_selector(args: &Args) -> Result<String, ConfigError> {
+    const DEFAULT_SELECTOR: &str = "k8s-app=konnectivity-server";
+    let (flag, selector) = if args.lease_label_selector.to_string() != DEFAULT_SELECTOR
+        || args.lease_label.to_string() == DEFAULT_SELECTOR
+    {
+        ("lease-label-selector", &args.lease_label_selector)
+    } else {
+        ("lease-label", &args.lease_label)
+    };
+    // Upstream master reads an empty selector as "every Lease in the
+    // namespace", which in kube-system counts the controllers' leader
+    // Leases as servers; v0.36.0 refuses it, and so do we.
+    if selector.is_everything() {
+        return Err(invalid(
+            flag,
+            "must not be empty with --count-server-leases (it would count every Lease in the namespace)",
+        ));
+    }
+    Ok(selector.to_string())
 }
 
 /// The `--capture` entry `--capture-target` stands for: the kubelet's
@@ -682,6 +692,48 @@ mod tests {
             let problems = konnectivity_plumbing::klog::help_problems(sub, &[]);
             assert!(problems.is_empty(), "{}: {problems:#?}", sub.get_name());
         }
+    }
+
+    #[test]
+    fn lease_selectors_take_kubectls_syntax_and_refuse_what_kube_apiserver_would() {
+        let selector = |flags: &[&str]| {
+            let mut line = vec!["proxy-agent", "--agent-id=a", "--count-server-leases"];
+            line.extend(flags);
+            let args = Args::try_parse_from(&line).map_err(|e| e.to_string())?;
+            lease_selector(&args).map_err(|e| e.to_string())
+        };
+        assert_eq!(selector(&[]).unwrap(), "k8s-app=konnectivity-server");
+        // Set-based terms reach kube-apiserver whole, sorted by key.
+        assert_eq!(
+            selector(&["--lease-label-selector=tier notin (canary,blue), k8s-app=konnectivity-server"])
+                .unwrap(),
+            "k8s-app=konnectivity-server,tier notin (blue,canary)"
+        );
+        assert_eq!(
+            selector(&["--lease-label=app=x,!canary"]).unwrap(),
+            "app=x,!canary"
+        );
+        assert_eq!(
+            selector(&["--lease-label=app=x", "--lease-label-selector=app=y"]).unwrap(),
+            "app=y"
+        );
+        // What kube-apiserver would refuse with a 400 on every list is
+        // refused at start, naming the flag.
+        let error = selector(&["--lease-label-selector=*notavalidlabel*"]).unwrap_err();
+        assert!(
+            error.contains("--lease-label-selector") && error.contains("invalid label key"),
+            "{error}"
+        );
+        let error = selector(&["--lease-label=app in (x"]).unwrap_err();
+        assert!(
+            error.contains("--lease-label ") && error.contains("the end in the values"),
+            "{error}"
+        );
+        let error = selector(&["--lease-label-selector="]).unwrap_err();
+        assert!(
+            error.contains("--lease-label-selector") && error.contains("every Lease"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 mod config;
 pub mod lease;
+mod selector;
 mod watch;
 
 use std::time::Duration;
@@ -20,6 +21,7 @@ use tokio::sync::Mutex;
 use tokio_rustls::TlsConnector;
 
 pub use config::{Credentials, KubeConfigError, KubeEndpoint};
+pub use selector::{LabelSelector, SelectorError};
 pub use watch::{WatchEvent, WatchStream};
 
 /// How long one request may take, connection set-up included.
