@@ -42,6 +42,28 @@ async fn lease_server(
     duration: &str,
     gc: &str,
 ) -> Server {
+    labelled_lease_server(
+        dir,
+        pki,
+        kubeconfig,
+        id,
+        duration,
+        gc,
+        "k8s-app=konnectivity-server",
+    )
+    .await
+}
+
+/// A lease server whose Lease carries `labels` (`--lease-label`).
+async fn labelled_lease_server(
+    dir: &TempDir,
+    pki: &Pki,
+    kubeconfig: &std::path::Path,
+    id: &str,
+    duration: &str,
+    gc: &str,
+    labels: &str,
+) -> Server {
     let extra = [
         format!("--server-id={id}"),
         "--server-count=1".to_owned(),
@@ -50,6 +72,7 @@ async fn lease_server(
         format!("--lease-duration={duration}"),
         "--lease-renew-interval=1s".to_owned(),
         format!("--lease-gc-interval={gc}"),
+        format!("--lease-label={labels}"),
     ];
     Server::start(dir.path(), pki, "http-connect", true, &extra).await
 }
@@ -77,6 +100,18 @@ impl TwoServers {
 }
 
 fn counting_agent(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, port: u16) -> Agent {
+    selecting_agent(dir, pki, kubeconfig, port, "k8s-app=konnectivity-server")
+}
+
+/// An agent counting the Leases that `selector` (`--lease-label-selector`)
+/// picks.
+fn selecting_agent(
+    dir: &TempDir,
+    pki: &Pki,
+    kubeconfig: &std::path::Path,
+    port: u16,
+    selector: &str,
+) -> Agent {
     Agent::start(
         dir.path(),
         pki,
@@ -86,6 +121,7 @@ fn counting_agent(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, port: 
             "--count-server-leases".to_owned(),
             format!("--kubeconfig={}", kubeconfig.display()),
             "--probe-interval=200ms".to_owned(),
+            format!("--lease-label-selector={selector}"),
         ],
     )
 }
@@ -201,6 +237,71 @@ async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
     assert!(first.proc.wait_exit(Duration::from_secs(15)).await.is_some());
     assert_eq!(api.lease_names(NAMESPACE), Vec::<String>::new());
     assert!(first.proc.log_text().contains("deleting the server Lease"));
+}
+
+/// Upstream master's `--lease-label-selector` is a full label selector, as
+/// kubectl's `-l`: a canary server's Lease is left out with `notin`, which
+/// also picks a Lease without the label at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_counts_only_the_leases_its_selector_picks() {
+    let dir = TempDir::new("konn-leases");
+    let pki = Pki::new(dir.path());
+    let api = KubeApi::start(&pki).await;
+    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let app = "k8s-app=konnectivity-server";
+    let servers = [
+        labelled_lease_server(&dir, &pki, &kubeconfig, "server-1", "30s", "10s", app).await,
+        labelled_lease_server(
+            &dir,
+            &pki,
+            &kubeconfig,
+            "server-2",
+            "30s",
+            "10s",
+            &format!("{app},tier=stable"),
+        )
+        .await,
+        labelled_lease_server(
+            &dir,
+            &pki,
+            &kubeconfig,
+            "server-3",
+            "30s",
+            "10s",
+            &format!("{app},tier=canary"),
+        )
+        .await,
+    ];
+    wait_until(Duration::from_secs(10), "the three server Leases", || async {
+        api.lease_names(NAMESPACE).len() == 3
+    })
+    .await;
+    let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
+    let agent = selecting_agent(
+        &dir,
+        &pki,
+        &kubeconfig,
+        balancer.addr.port(),
+        "tier notin (canary), k8s-app = konnectivity-server",
+    );
+    let agent_port = agent.health_port;
+    holds_two_servers(agent_port).await;
+    // kube-apiserver is asked with the selector whole, in its normal form
+    // (the others seen are the servers' own, collecting expired Leases).
+    let selectors = api.selectors();
+    assert!(
+        selectors.contains("k8s-app=konnectivity-server,tier notin (canary)"),
+        "{selectors:?}"
+    );
+    // The canary's Lease stays out of the count.
+    let (lowest, sampler) = lowest_count(agent_port);
+    let mut highest = 0.0;
+    for _ in 0..20 {
+        highest = f64::max(highest, metric(agent_port, KNOWN).await.unwrap_or(0.0));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    sampler.abort();
+    assert_eq!((lowest.load(Ordering::Relaxed), highest), (2, 2.0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

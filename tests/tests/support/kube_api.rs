@@ -1,19 +1,19 @@
-//! A stand-in kube-apiserver for coordination.k8s.io/v1 Leases over HTTPS,
-//! as the real one serves them (a real kube-apiserver cannot be had here):
-//! one resourceVersion sequence for every change, updates and deletions
-//! refused with 409 Conflict when their resourceVersion is not the stored
-//! one, `labelSelector` (equality terms) on lists and watches, watches
-//! streamed as one JSON event per line from a resourceVersion on (ending
-//! at `timeoutSeconds`; from a version older than the history kept, one
-//! `ERROR` event with 410 Expired), and `Status` objects with
-//! kube-apiserver's reasons on errors. It checks the caller's bearer token
-//! (401 otherwise) and counts the calls.
+//! A stand-in kube-apiserver for coordination.k8s.io/v1 Leases over
+//! HTTPS, as the real one serves them (a real kube-apiserver cannot be
+//! had here): one resourceVersion sequence for every change, updates and
+//! deletions refused with 409 Conflict when their resourceVersion is not
+//! the stored one, `labelSelector` (equality and set-based terms) on
+//! lists and watches, watches streamed as one JSON event per line from a
+//! resourceVersion on (ending at `timeoutSeconds`; from a version older
+//! than the history kept, one `ERROR` event with 410 Expired), and
+//! `Status` objects with kube-apiserver's reasons on errors. It checks
+//! the caller's bearer token (401 otherwise) and counts the calls.
 //!
 //! It can go away and come back on the same port with what it stored, as a
 //! restarted kube-apiserver does (its store is etcd), and can refuse one
 //! Lease's updates, as when a server cannot reach it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -57,6 +57,8 @@ struct Store {
     refused_updates: Vec<String>,
     /// Calls by "METHOD kind" (kind: list, watch, get, create, update, delete).
     calls: HashMap<String, usize>,
+    /// The `labelSelector`s lists and watches were asked with, as sent.
+    selectors: BTreeSet<String>,
     /// Bearer tokens accepted.
     tokens: Vec<String>,
 }
@@ -268,6 +270,11 @@ impl KubeApi {
     pub fn calls(&self, call: &str) -> usize {
         self.store.lock().unwrap().calls.get(call).copied().unwrap_or(0)
     }
+
+    /// The `labelSelector`s lists and watches were asked with, as sent.
+    pub fn selectors(&self) -> BTreeSet<String> {
+        self.store.lock().unwrap().selectors.clone()
+    }
 }
 
 /// Writes a kubeconfig at `path` for a stand-in kube-apiserver on
@@ -332,13 +339,61 @@ fn failure(status: StatusCode, reason: &str, message: String) -> Response<Body> 
     )
 }
 
-/// Whether `labels` satisfy every `key=value` term of `selector`.
+/// Whether `labels` satisfy every term of `selector`, as kube-apiserver
+/// evaluates them: `k=v`/`k==v`, `k!=v` (also when `k` is absent), `k in
+/// (a,b)`, `k notin (a,b)` (also when absent), `k`, `!k`, `k>n`, `k<n`.
+/// Written apart from the agent's own parser on purpose: the agent's
+/// selector must mean here what it means to kube-apiserver.
 fn matches(selector: &str, labels: &Value) -> bool {
-    selector.split(',').filter(|term| !term.is_empty()).all(|term| {
-        let (key, value) = term.split_once('=').expect("equality terms only");
-        let value = value.trim_start_matches('=');
-        labels.get(key).and_then(Value::as_str) == Some(value)
-    })
+    let label = |key: &str| labels.get(key.trim()).and_then(Value::as_str).map(str::to_owned);
+    let set = |list: &str| -> Vec<String> {
+        let list = list.trim().trim_start_matches('(').trim_end_matches(')');
+        list.split(',').map(|value| value.trim().to_owned()).collect()
+    };
+    let mut terms = Vec::new();
+    let mut depth = 0;
+    let mut start = 0;
+    for (i, c) in selector.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                terms.push(&selector[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    terms.push(&selector[start..]);
+    terms
+        .into_iter()
+        .map(str::trim)
+        .filter(|term| !term.is_empty())
+        .all(|term| {
+            if let Some((key, list)) = term.split_once(" notin ") {
+                label(key).is_none_or(|value| !set(list).contains(&value))
+            } else if let Some((key, list)) = term.split_once(" in ") {
+                label(key).is_some_and(|value| set(list).contains(&value))
+            } else if let Some((key, value)) = term.split_once("!=") {
+                label(key).is_none_or(|actual| actual != value.trim())
+            } else if let Some((key, value)) = term.split_once('=') {
+                label(key) == Some(value.trim_start_matches('=').trim().to_owned())
+            } else if let Some((key, bound)) = term.split_once('>') {
+                let bound: i64 = bound.trim().parse().expect("an integer after >");
+                label(key)
+                    .and_then(|value| value.parse::<i64>().ok())
+                    .is_some_and(|value| value > bound)
+            } else if let Some((key, bound)) = term.split_once('<') {
+                let bound: i64 = bound.trim().parse().expect("an integer after <");
+                label(key)
+                    .and_then(|value| value.parse::<i64>().ok())
+                    .is_some_and(|value| value < bound)
+            } else if let Some(key) = term.strip_prefix('!') {
+                label(key).is_none()
+            } else {
+                label(term).is_some()
+            }
+        })
 }
 
 fn query(request: &Request<Incoming>) -> HashMap<String, String> {
@@ -409,6 +464,9 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
         serde_json::from_slice(&body).unwrap_or(Value::Null)
     };
     let selector = query.get("labelSelector").cloned().unwrap_or_default();
+    if method == Method::GET && name.is_none() {
+        store.lock().unwrap().selectors.insert(selector.clone());
+    }
     let call = |kind: &str| {
         *store
             .lock()
