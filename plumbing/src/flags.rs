@@ -131,16 +131,16 @@ pub fn parse_list(text: &str) -> Result<GoList, String> {
     ))
 }
 
-/// Validates a Kubernetes label list or equality selector, `k=v[,k=v]`.
+/// Validates a server's `--lease-label`, labels as `k=v[,k=v]` (spaces
+/// around keys and values are dropped, as upstream's `ParseLabels` does),
+/// each one kube-apiserver would take: a label it refuses would leave the
+/// server without a Lease, renewal after renewal.
 pub fn parse_labels(text: &str) -> Result<String, String> {
     for pair in text.split(',').filter(|p| !p.is_empty()) {
         let (key, value) = pair
             .split_once('=')
             .ok_or_else(|| format!("label {pair:?} is not key=value"))?;
-        let valid = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c));
-        if key.is_empty() || !valid(key) || !valid(value) {
-            return Err(format!("label {pair:?} is not a valid key=value"));
-        }
+        crate::kube::check_label(key.trim(), value.trim()).map_err(|e| e.to_string())?;
     }
     Ok(text.to_owned())
 }
@@ -164,6 +164,11 @@ mod tests {
         assert!(parse_labels("a=b,c=d").is_ok());
         assert!(parse_labels("novalue").is_err());
         assert!(parse_labels("a b=c").is_err());
+        assert!(parse_labels(" key = value , example.com/tier = x ").is_ok());
+        for bad in ["-x=y", "a=b/c", "Example.com/x=y", "a=b=c"] {
+            let error = parse_labels(bad).unwrap_err();
+            assert!(error.starts_with("invalid "), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -21,7 +21,7 @@ use tokio::sync::Mutex;
 use tokio_rustls::TlsConnector;
 
 pub use config::{Credentials, KubeConfigError, KubeEndpoint};
-pub use selector::{LabelSelector, SelectorError};
+pub use selector::{LabelSelector, SelectorError, check_label};
 pub use watch::{WatchEvent, WatchStream};
 
 /// How long one request may take, connection set-up included.

@@ -265,6 +265,13 @@ fn value_list(tokens: &mut Lexer<'_>, key: &str, operator: Operator) -> Result<V
     Ok(values)
 }
 
+/// Whether kube-apiserver would take `key: value` as a label of an object
+/// (it answers 422 to a create or update otherwise).
+pub fn check_label(key: &str, value: &str) -> Result<(), SelectorError> {
+    check_key(key)?;
+    check_value(key, value)
+}
+
 /// A qualified name: `[prefix/]name`, the prefix a DNS subdomain of at most
 /// 253 characters, the name at most 63 characters of `[A-Za-z0-9_.-]`
 /// starting and ending alphanumeric.
