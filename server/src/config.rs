@@ -1,6 +1,7 @@
 //! proxy-server's flags (upstream names and defaults) and their validation
 //! into one typed [`Config`].
 
+use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -163,7 +164,7 @@ pub struct Args {
     /// Labels of this server's Lease, comma-separated key=value; also the selector
     /// of the Leases whose expired ones this server deletes.
     #[arg(long, value_parser = parse_labels, default_value = "k8s-app=konnectivity-server")]
-    pub lease_label: String,
+    pub lease_label: BTreeMap<String, String>,
     /// How long a server Lease stays valid after a renewal (upstream fixes 30s).
     #[arg(long, value_parser = parse_duration, default_value = "30s", help_heading = "konnectivity-rs additions")]
     pub lease_duration: Duration,
@@ -467,7 +468,7 @@ fn lease_settings(args: &Args) -> Result<Option<LeaseSettings>, ConfigError> {
             "must not be empty with --enable-lease-controller",
         ));
     }
-    let labels = konnectivity_plumbing::kube::lease::parse_labels(&args.lease_label);
+    let labels = args.lease_label.clone();
     if labels.is_empty() {
         // An empty selector matches every Lease of the namespace, and the
         // garbage collector would delete other components' expired Leases.

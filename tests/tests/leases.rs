@@ -32,30 +32,12 @@ fn lease_name(server: &str) -> String {
     format!("konnectivity-proxy-server-{server}")
 }
 
-/// A server renewing its Lease of `duration` every second, collecting
-/// expired Leases every `gc`.
-async fn lease_server(
-    dir: &TempDir,
-    pki: &Pki,
-    kubeconfig: &std::path::Path,
-    id: &str,
-    duration: &str,
-    gc: &str,
-) -> Server {
-    labelled_lease_server(
-        dir,
-        pki,
-        kubeconfig,
-        id,
-        duration,
-        gc,
-        "k8s-app=konnectivity-server",
-    )
-    .await
-}
+/// The labels upstream gives server Leases by default.
+const SERVER_LABELS: &str = "k8s-app=konnectivity-server";
 
-/// A lease server whose Lease carries `labels` (`--lease-label`).
-async fn labelled_lease_server(
+/// A server renewing its Lease of `duration` every second, collecting
+/// expired Leases every `gc`; the Lease carries `labels` (`--lease-label`).
+async fn lease_server(
     dir: &TempDir,
     pki: &Pki,
     kubeconfig: &std::path::Path,
@@ -87,8 +69,8 @@ struct TwoServers {
 impl TwoServers {
     async fn start(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, duration: &str, gc: &str) -> Self {
         let servers = [
-            lease_server(dir, pki, kubeconfig, "server-1", duration, gc).await,
-            lease_server(dir, pki, kubeconfig, "server-2", duration, gc).await,
+            lease_server(dir, pki, kubeconfig, "server-1", duration, gc, SERVER_LABELS).await,
+            lease_server(dir, pki, kubeconfig, "server-2", duration, gc, SERVER_LABELS).await,
         ];
         let balancer = RoundRobin::start(servers.iter().map(agent_address).collect()).await;
         TwoServers { servers, balancer }
@@ -100,7 +82,7 @@ impl TwoServers {
 }
 
 fn counting_agent(dir: &TempDir, pki: &Pki, kubeconfig: &std::path::Path, port: u16) -> Agent {
-    selecting_agent(dir, pki, kubeconfig, port, "k8s-app=konnectivity-server")
+    selecting_agent(dir, pki, kubeconfig, port, SERVER_LABELS)
 }
 
 /// An agent counting the Leases that `selector` (`--lease-label-selector`)
@@ -168,8 +150,8 @@ async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
     let pki = Pki::new(dir.path());
     let api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let mut first = lease_server(&dir, &pki, &kubeconfig, "server-1", "4s", "1s").await;
-    let mut second = lease_server(&dir, &pki, &kubeconfig, "server-2", "4s", "1s").await;
+    let mut first = lease_server(&dir, &pki, &kubeconfig, "server-1", "4s", "1s", SERVER_LABELS).await;
+    let mut second = lease_server(&dir, &pki, &kubeconfig, "server-2", "4s", "1s", SERVER_LABELS).await;
 
     // Each server holds its Lease as upstream names and labels it.
     wait_until(Duration::from_secs(10), "both server Leases", || async {
@@ -248,10 +230,10 @@ async fn an_agent_counts_only_the_leases_its_selector_picks() {
     let pki = Pki::new(dir.path());
     let api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let app = "k8s-app=konnectivity-server";
+    let app = SERVER_LABELS;
     let servers = [
-        labelled_lease_server(&dir, &pki, &kubeconfig, "server-1", "30s", "10s", app).await,
-        labelled_lease_server(
+        lease_server(&dir, &pki, &kubeconfig, "server-1", "30s", "10s", app).await,
+        lease_server(
             &dir,
             &pki,
             &kubeconfig,
@@ -261,7 +243,7 @@ async fn an_agent_counts_only_the_leases_its_selector_picks() {
             &format!("{app},tier=stable"),
         )
         .await,
-        labelled_lease_server(
+        lease_server(
             &dir,
             &pki,
             &kubeconfig,
@@ -445,7 +427,7 @@ async fn an_agent_whose_watch_version_expired_lists_again() {
     let pki = Pki::new(dir.path());
     let api = KubeApi::start(&pki).await;
     let kubeconfig = api.kubeconfig(dir.path(), &pki);
-    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s").await;
+    let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s", SERVER_LABELS).await;
     // The agent dials server-1 only: the count it learns comes from the
     // Leases alone.
     let agent = counting_agent(&dir, &pki, &kubeconfig, first.agent_port);
@@ -465,7 +447,7 @@ async fn an_agent_whose_watch_version_expired_lists_again() {
         api.calls("GET watch") >= 2
     })
     .await;
-    let _second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s", "1s").await;
+    let _second = lease_server(&dir, &pki, &kubeconfig, "server-2", "8s", "1s", SERVER_LABELS).await;
     wait_until(Duration::from_secs(10), "server-2's Lease", || async {
         api.lease_names(NAMESPACE).len() == 2
     })

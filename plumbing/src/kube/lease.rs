@@ -225,14 +225,6 @@ fn query_escape(text: &str) -> String {
     percent_encoding::utf8_percent_encode(text, UNRESERVED).to_string()
 }
 
-/// A `--lease-label` value (`k=v,k2=v2`) as labels.
-pub fn parse_labels(text: &str) -> BTreeMap<String, String> {
-    text.split(',')
-        .filter_map(|pair| pair.split_once('='))
-        .map(|(key, value)| (key.trim().to_owned(), value.trim().to_owned()))
-        .collect()
-}
-
 /// Labels as a selector that matches them all, keys in order (as
 /// apimachinery's `labels.FormatLabels`).
 pub fn selector(labels: &BTreeMap<String, String>) -> String {
@@ -295,7 +287,10 @@ mod tests {
 
     #[test]
     fn selectors_escape_and_list_labels_in_key_order() {
-        let labels = parse_labels("k8s-app=konnectivity-server,a=b");
+        let labels = BTreeMap::from([
+            ("k8s-app".to_owned(), "konnectivity-server".to_owned()),
+            ("a".to_owned(), "b".to_owned()),
+        ]);
         assert_eq!(selector(&labels), "a=b,k8s-app=konnectivity-server");
         assert_eq!(query_escape("a=b,c=d"), "a%3Db%2Cc%3Dd");
     }
