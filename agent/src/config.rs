@@ -192,25 +192,35 @@ pub struct Args {
           default_missing_value = konnectivity_cni::config::DEFAULT_AGENT_SOCKET,
           help_heading = "Pod capture (konnectivity-rs)")]
     pub cni_socket: String,
-    /// Where the container runtime pins pod network namespaces (containerd and CRI-O:
-    /// /var/run/netns). At start the agent captures every namespace there that is not the
-    /// host's, so pods that ran before it are captured too; only this directory is looked at.
-    /// Empty turns that off.
+    /// Where the container runtime pins pod network namespaces besides /var/run/netns
+    /// (containerd with netns_mounts_under_state_dir: its state directory's netns/). A pod
+    /// namespace the runtime names there is accepted; the directory is never scanned for pods:
+    /// a pin is not a pod. Empty: only /var/run/netns and /run/netns.
     #[arg(
         long,
         default_value = "/var/run/netns",
         help_heading = "Pod capture (konnectivity-rs)"
     )]
     pub pod_netns_dir: String,
-    /// The container runtime's CNI result cache (libcni's), which tells which pod a pinned
-    /// namespace belongs to: pods are then enrolled under their container id and name, and
-    /// those of --exclude-namespaces skipped. Empty: enrol every pinned namespace.
+    /// The container runtime's CNI result cache (libcni's): its record of every pod it
+    /// attached. At start and every 5 s the agent enrols the pods recorded there on a network
+    /// of ours (see --cni-conf-dir) that it has not captured: pods that ran before it or before
+    /// the plugin was chained. Empty turns enrolment off.
     #[arg(
         long,
         default_value = "/var/lib/cni",
         help_heading = "Pod capture (konnectivity-rs)"
     )]
     pub cni_cache_dir: String,
+    /// Where the runtime reads its CNI network configurations (install-cni's --cni-conf-dir,
+    /// as the node sees it). A network whose chain has konnectivity-cni pointed at --cni-socket
+    /// is ours: only its pods are enrolled from the cache.
+    #[arg(
+        long,
+        default_value = "/etc/cni/net.d",
+        help_heading = "Pod capture (konnectivity-rs)"
+    )]
+    pub cni_conf_dir: String,
     /// Namespaces whose running pods are not enrolled, comma-separated: the same list as
     /// install-cni's --exclude-namespaces, which the plugin applies to new pods.
     #[arg(long, value_parser = parse_list, default_value = "", help_heading = "Pod capture (konnectivity-rs)")]
@@ -616,10 +626,17 @@ fn node_config_for(args: &Args, captures: Vec<Capture>) -> Result<Option<NodeCon
         state_dir: args.state_dir.clone().into(),
         netns_dir: (!args.pod_netns_dir.is_empty()).then(|| args.pod_netns_dir.clone().into()),
         cni_cache_dir: (!args.cni_cache_dir.is_empty()).then(|| args.cni_cache_dir.clone().into()),
+        cni_conf_dir: args.cni_conf_dir.clone().into(),
         exclude_namespaces: args.exclude_namespaces.0.clone(),
     });
     if args.state_dir.is_empty() {
         return Err(invalid("state-dir", "must not be empty"));
+    }
+    if cni.is_some() && args.cni_conf_dir.is_empty() {
+        return Err(invalid(
+            "cni-conf-dir",
+            "must not be empty with --cni-socket: it says which network's pods are this agent's",
+        ));
     }
     Ok(Some(NodeConfig {
         cni,

@@ -99,6 +99,26 @@ impl Run {
         self.flag(name).unwrap_or(default).to_owned()
     }
 
+    /// The node's path that `path` inside the container is, through a
+    /// hostPath volume mounted over it; `None` when no such mount covers it.
+    fn host_path(&self, path: &str) -> Option<String> {
+        let mount = self.container["volumeMounts"]
+            .as_array()?
+            .iter()
+            .filter(|m| {
+                let at = m["mountPath"].as_str().unwrap_or_default();
+                path == at || path.starts_with(&format!("{}/", at.trim_end_matches('/')))
+            })
+            .max_by_key(|m| m["mountPath"].as_str().unwrap_or_default().len())?;
+        let volume = self.pod["volumes"]
+            .as_array()?
+            .iter()
+            .find(|v| v["name"] == mount["name"])?;
+        let host = volume["hostPath"]["path"].as_str()?;
+        let rest = &path[mount["mountPath"].as_str()?.len()..];
+        Some(format!("{host}{rest}"))
+    }
+
     fn probe_ports(&self) -> Vec<u64> {
         ["livenessProbe", "readinessProbe", "startupProbe"]
             .iter()
@@ -620,6 +640,26 @@ fn node_to_kas_pieces_agree_with_each_other() {
                 install.flag("exclude-namespaces"),
                 node.flag("exclude-namespaces"),
                 "{base}"
+            );
+            // The agent reads the configuration install-cni writes, to know
+            // which network's pods are its own: the same node directory.
+            let conf_dir = node.flag_or("cni-conf-dir", "/etc/cni/net.d");
+            let installed = install.flag_or("cni-conf-dir", "/etc/cni/net.d");
+            assert_eq!(
+                node.host_path(&conf_dir),
+                install.host_path(&installed),
+                "{base}: the node agent's --cni-conf-dir must be install-cni's on the node"
+            );
+            assert!(
+                node.host_path(&conf_dir).is_some(),
+                "{base}: --cni-conf-dir is not mounted"
+            );
+            // So is the cache the runtime records its pods in.
+            assert_eq!(
+                node.host_path(&node.flag_or("cni-cache-dir", "/var/lib/cni"))
+                    .as_deref(),
+                Some("/var/lib/cni"),
+                "{base}: --cni-cache-dir must be the node's libcni cache"
             );
         }
         // Every capture target is a destination the server lets nodes dial.

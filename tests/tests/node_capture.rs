@@ -71,23 +71,8 @@ async fn node_processes_reach_the_api_server(binaries: Binaries) {
     assert!(endpoint.status.success(), "{}", text(&endpoint));
     assert_eq!(String::from_utf8_lossy(&endpoint.stdout), VERSION_BODY);
 
-    // kubectl with a kubeconfig as a node has it: the server is the VIP
-    // (with a token, so kubectl does not prompt for a password).
-    let kubeconfig = topology.dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: kind\n  cluster:\n    server: https://{VIP}\n    \
-             certificate-authority: {}\ncontexts:\n- name: node\n  context:\n    cluster: kind\n    user: node\n\
-             current-context: node\nusers:\n- name: node\n  user:\n    token: node-bootstrap-token\n",
-            topology.pki.ca.display()
-        ),
-    )
-    .unwrap();
-    let kubectl = topology.node.sh(&format!(
-        "kubectl --kubeconfig {} get --raw /version",
-        kubeconfig.display()
-    ));
+    // kubectl with a kubeconfig as a node has it: the server is the VIP.
+    let kubectl = topology.kubectl_get_raw(&topology.node, "/version");
     assert!(kubectl.status.success(), "{}", text(&kubectl));
     assert!(String::from_utf8_lossy(&kubectl.stdout).contains("v1.31.0-konnectivity-standin"));
 

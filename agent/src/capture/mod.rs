@@ -4,8 +4,8 @@
 //! The whole capture subsystem lives here: [`map`] says what is captured,
 //! [`nft`] renders and installs the REDIRECT rules (on the host and in each
 //! pod), [`listener`] accepts and tunnels the captured connections,
-//! [`pods`] keeps the captured pods (and enrols those that ran before the
-//! agent), [`cni_socket`] answers the konnectivity-cni plugin, and
+//! [`pods`] keeps the captured pods (and enrols those the runtime recorded on
+//! our network), [`cni_socket`] answers the konnectivity-cni plugin, and
 //! [`netns`] enters pod namespaces. Installing the plugin on a node is
 //! `crate::cni`, which needs none of this.
 
@@ -55,6 +55,8 @@ pub struct CniSettings {
     pub netns_dir: Option<std::path::PathBuf>,
     /// `--cni-cache-dir`; `None` when empty.
     pub cni_cache_dir: Option<std::path::PathBuf>,
+    /// `--cni-conf-dir`.
+    pub cni_conf_dir: std::path::PathBuf,
     /// `--exclude-namespaces`.
     pub exclude_namespaces: Vec<String>,
 }
@@ -193,20 +195,39 @@ pub async fn run(
                 state_dir: cni.state_dir.clone(),
                 // The agent runs in the host's network namespace (hostNetwork).
                 host_netns: "/proc/self/ns/net".into(),
+                agent_socket: cni.socket.clone(),
                 netns_dir: cni.netns_dir.clone(),
                 cni_cache_dir: cni.cni_cache_dir.clone(),
+                cni_conf_dir: cni.cni_conf_dir.clone(),
                 exclude_namespaces: cni.exclude_namespaces.clone(),
             },
             context.clone(),
         )?);
-        pods.restore().await;
-        pods.enrol_existing(true).await;
+        let restored = pods.restore().await;
+        let enrolment = pods.enrol_recorded(true).await;
+        // One line, whatever the machine holds: the pinned namespaces that
+        // are no pods of ours are counted, never listed or entered.
+        tracing::info!(
+            restored,
+            enrolled = enrolment.enrolled,
+            captured_already = enrolment.captured_already,
+            excluded = enrolment.excluded,
+            not_enrolled = enrolment.failed,
+            other_networks = enrolment.not_ours,
+            pinned_left_alone = pods.pinned_left_alone(),
+            networks = ?enrolment.networks,
+            cache = ?cni.cni_cache_dir,
+            "pod capture started: recorded pods restored, running pods of our networks enrolled from the runtime's CNI cache; pinned namespaces that are no pods of ours left alone"
+        );
+        if enrolment.networks.is_empty() && cni.cni_cache_dir.is_some() {
+            tracing::info!(conf_dir = %cni.cni_conf_dir.display(), socket = %cni.socket.display(), "no network configuration there chains konnectivity-cni with this agent's socket yet (install-cni's --agent-socket must equal --cni-socket); running pods are enrolled once one does");
+        }
         let sweeping = pods.clone();
         tasks.spawn(async move {
             loop {
                 tokio::time::sleep(POD_SWEEP_INTERVAL).await;
                 sweeping.forget_gone();
-                sweeping.enrol_existing(false).await;
+                sweeping.enrol_recorded(false).await;
             }
         });
         let socket = cni_socket::bind(&cni.socket).map_err(|source| CaptureError::CniSocket {

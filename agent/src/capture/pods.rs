@@ -66,20 +66,47 @@ pub(super) struct PodSettings {
     pub ipv6: bool,
     pub state_dir: PathBuf,
     pub host_netns: PathBuf,
-    /// `--pod-netns-dir`: where the runtime pins pod namespaces, enrolled
-    /// at start; `None` turns enrolment off.
+    /// `--cni-socket`: the socket konnectivity-cni hands pods to. A network
+    /// whose chain points the plugin at it is ours.
+    pub agent_socket: PathBuf,
+    /// `--pod-netns-dir`: where the runtime pins pod namespaces (besides
+    /// `/var/run/netns`), so a namespace path the runtime names there is
+    /// accepted; counted at start, never scanned for pods.
     pub netns_dir: Option<PathBuf>,
-    /// `--cni-cache-dir`: the runtime's CNI result cache, which says which
-    /// pod a pinned namespace belongs to.
+    /// `--cni-cache-dir`: the runtime's CNI result cache, the record of the
+    /// pods it attached; `None` turns enrolment off.
     pub cni_cache_dir: Option<PathBuf>,
+    /// `--cni-conf-dir`: the runtime's network configurations, which say
+    /// which networks chain konnectivity-cni pointed at this agent.
+    pub cni_conf_dir: PathBuf,
     /// `--exclude-namespaces`: pods of these namespaces are not enrolled
     /// (install-cni's list, which the plugin applies to ADD).
     pub exclude_namespaces: Vec<String>,
 }
 
-/// The prefix of the ids of pods enrolled without a cache entry: the
-/// runtime knows them under another id, so CNI GC must not drop them.
-const ENROLLED_PREFIX: &str = "netns-";
+/// The prefix of the ids under which agents before this one recorded any
+/// pinned namespace without a runtime record. Such a record does not prove
+/// a pod: it is dropped at start.
+const LEGACY_UNPROVEN_PREFIX: &str = "netns-";
+
+/// What one pass over the runtime's records did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(super) struct Enrolment {
+    /// The networks whose configuration chains konnectivity-cni pointed at
+    /// this agent, as found in `--cni-conf-dir`.
+    pub networks: Vec<String>,
+    /// Pods captured by this pass.
+    pub enrolled: usize,
+    /// Pods of our networks whose namespace was captured already.
+    pub captured_already: usize,
+    /// Pods of our networks left alone for `--exclude-namespaces`.
+    pub excluded: usize,
+    /// Attachments of other networks, or handed to another agent.
+    pub not_ours: usize,
+    /// Pods of ours whose namespace is gone, is not a pin, or could not be
+    /// captured.
+    pub failed: usize,
+}
 
 /// The device and inode of the namespace at `path` (following symlinks).
 fn namespace_identity(path: &Path) -> std::io::Result<(u64, u64)> {
@@ -326,7 +353,7 @@ impl Pods {
             .lock()
             .expect("pods lock")
             .keys()
-            .filter(|id| !id.starts_with(ENROLLED_PREFIX) && !valid.iter().any(|a| &a.container_id == *id))
+            .filter(|id| !valid.iter().any(|a| &a.container_id == *id))
             .cloned()
             .collect();
         for id in stale {
@@ -334,100 +361,104 @@ impl Pods {
         }
     }
 
-    /// Enrols the pods that were running before this agent (or before the
-    /// plugin was chained): every namespace pinned in `--pod-netns-dir` that
-    /// is not the host's and not captured yet gets the capture ADD would
-    /// give it, recorded like any pod: under the container id, interface
-    /// and pod name the runtime's CNI cache gives for that namespace (pods
-    /// of `--exclude-namespaces` are skipped, as ADD skips them), or as
-    /// `netns-NAME` when the cache has no entry for it. Only that directory
-    /// is looked at: a namespace elsewhere (another program's, a test's) may
-    /// not be a pod's, and is never touched.
+    /// Enrols the pods of our networks that the runtime recorded and that
+    /// are not captured: pods that ran before this agent or before the
+    /// plugin was chained, and pods created while the primary CNI had
+    /// rewritten its configuration without our entry. A pod is what the
+    /// runtime's CNI cache records as attached to a network of ours
+    /// ([`CachedAttachment::is_ours`]), in a namespace pinned where pods are
+    /// pinned, that still exists, and not of `--exclude-namespaces`. Nothing
+    /// else is entered: a namespace pinned by `ip netns add`, a VPN, a lab
+    /// tool or another agent has no such record, and is never touched.
     ///
-    /// With `uncached` false, only namespaces the cache names are enrolled:
     /// libcni writes an entry once the whole chain's ADD has succeeded, so a
     /// pod whose ADD is still running (and which our plugin may yet capture,
-    /// or pass through as excluded) is never taken early. That is how the
-    /// agent re-checks while it runs, for pods created while the primary CNI
-    /// had dropped our entry from its configuration.
-    pub(super) async fn enrol_existing(&self, uncached: bool) {
-        let Some(dir) = self.settings.netns_dir.clone() else {
-            return;
+    /// or pass through as excluded) is never taken early. `at_start` says
+    /// failures at warning level; the re-checks while running would repeat
+    /// them every few seconds.
+    ///
+    /// [`CachedAttachment::is_ours`]: super::cni_cache::CachedAttachment::is_ours
+    pub(super) async fn enrol_recorded(&self, at_start: bool) -> Enrolment {
+        let mut enrolment = Enrolment::default();
+        let Some(cache_dir) = self.settings.cni_cache_dir.clone() else {
+            return enrolment;
         };
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            tracing::debug!(dir = %dir.display(), "no pod network namespace directory");
-            return;
-        };
-        let host = namespace_identity(&self.settings.host_netns).ok();
-        let cached: Vec<((u64, u64), super::cni_cache::CachedAttachment)> = self
-            .settings
-            .cni_cache_dir
-            .as_deref()
-            .map(super::cni_cache::attachments)
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|attachment| {
-                Some((namespace_identity(Path::new(&attachment.netns)).ok()?, attachment))
-            })
-            .collect();
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') {
+        enrolment.networks =
+            crate::cni::network::networks_chaining(&self.settings.cni_conf_dir, &self.settings.agent_socket)
+                .unwrap_or_else(|error| {
+                    if at_start {
+                        tracing::warn!(dir = %self.settings.cni_conf_dir.display(), %error, "cannot read the CNI configuration directory (--cni-conf-dir); only pods whose chain named this agent's socket are enrolled");
+                    }
+                    Vec::new()
+                });
+        for attachment in super::cni_cache::attachments(&cache_dir) {
+            if !attachment.is_ours(&enrolment.networks, &self.settings.agent_socket) {
+                enrolment.not_ours += 1;
                 continue;
             }
-            let Ok(identity) = namespace_identity(&path) else {
+            if self
+                .settings
+                .exclude_namespaces
+                .contains(&attachment.pod_namespace)
+            {
+                enrolment.excluded += 1;
+                continue;
+            }
+            // A pin keeps naming its namespace; a cached /proc/PID path may
+            // name whatever process reused the PID since.
+            let identity = if attachment.netns.starts_with("/proc/") {
+                None
+            } else {
+                namespace_identity(Path::new(&attachment.netns)).ok()
+            };
+            let Some(identity) = identity else {
+                tracing::debug!(netns = %attachment.netns, container_id = %attachment.container_id, "not enrolling a recorded pod whose namespace is gone or not pinned");
+                enrolment.failed += 1;
                 continue;
             };
-            if Some(identity) == host {
+            if self.captured_as(identity).is_some() {
+                enrolment.captured_already += 1;
                 continue;
             }
-            let known = cached.iter().find(|(id, _)| *id == identity).map(|(_, a)| a);
-            if known.is_none() && !uncached {
-                continue;
-            }
-            if let Some(attachment) = known
-                && self
-                    .settings
-                    .exclude_namespaces
-                    .contains(&attachment.pod_namespace)
-            {
-                tracing::debug!(netns = %path.display(), namespace = %attachment.pod_namespace, "not enrolling a pod of an excluded namespace");
-                continue;
-            }
-            let pod = match known {
-                Some(attachment) => Pod {
-                    container_id: attachment.container_id.clone(),
-                    netns: path.display().to_string(),
-                    ifname: attachment.ifname.clone(),
-                    ips: Vec::new(),
-                    pod_namespace: attachment.pod_namespace.clone(),
-                    pod_name: attachment.pod_name.clone(),
-                },
-                None => Pod {
-                    container_id: format!("{ENROLLED_PREFIX}{name}"),
-                    netns: path.display().to_string(),
-                    ifname: "eth0".to_owned(),
-                    ips: Vec::new(),
-                    pod_namespace: String::new(),
-                    pod_name: String::new(),
-                },
+            let pod = Pod {
+                container_id: attachment.container_id.clone(),
+                netns: attachment.netns.clone(),
+                ifname: attachment.ifname.clone(),
+                ips: Vec::new(),
+                pod_namespace: attachment.pod_namespace.clone(),
+                pod_name: attachment.pod_name.clone(),
             };
             match self.capture(&pod, false).await {
-                Ok(false) => {}
-                Ok(true) => {
-                    tracing::info!(netns = %path.display(), container_id = %pod.container_id, "enrolled a running pod the plugin had not captured")
-                }
-                // Said once at start; the re-checks while running would
-                // repeat it every few seconds.
-                Err(error) if uncached => {
-                    tracing::warn!(netns = %path.display(), %error, "could not enrol a running pod")
-                }
+                Ok(true) => enrolment.enrolled += 1,
+                Ok(false) => enrolment.captured_already += 1,
                 Err(error) => {
-                    tracing::debug!(netns = %path.display(), %error, "could not enrol a running pod")
+                    enrolment.failed += 1;
+                    if at_start {
+                        tracing::warn!(netns = %attachment.netns, container_id = %attachment.container_id, %error, "could not enrol a running pod");
+                    } else {
+                        tracing::debug!(netns = %attachment.netns, container_id = %attachment.container_id, %error, "could not enrol a running pod");
+                    }
                 }
             }
         }
+        enrolment
+    }
+
+    /// How many namespaces pinned in `--pod-netns-dir` are not captured
+    /// pods (nor the host's): counted for the start-up line, never entered.
+    pub(super) fn pinned_left_alone(&self) -> usize {
+        let Some(dir) = &self.settings.netns_dir else {
+            return 0;
+        };
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return 0;
+        };
+        let host = namespace_identity(&self.settings.host_netns).ok();
+        entries
+            .flatten()
+            .filter_map(|entry| namespace_identity(&entry.path()).ok())
+            .filter(|identity| Some(*identity) != host && self.captured_as(*identity).is_none())
+            .count()
     }
 
     /// Forgets the pods whose namespace is gone, or whose path now names
@@ -450,11 +481,14 @@ impl Pods {
     }
 
     /// Re-opens every pod recorded in the state directory whose namespace
-    /// still exists; drops the records of the others.
-    pub(super) async fn restore(&self) {
+    /// still exists; drops the records of the others, and those an earlier
+    /// agent made for pinned namespaces the runtime never recorded. How
+    /// many pods it re-opened.
+    pub(super) async fn restore(&self) -> usize {
         let Ok(entries) = std::fs::read_dir(&self.settings.state_dir) else {
-            return;
+            return 0;
         };
+        let mut restored = 0;
         for entry in entries.flatten() {
             let path = entry.path();
             if path.extension().is_none_or(|ext| ext != "json") {
@@ -468,16 +502,29 @@ impl Pods {
                 let _ = std::fs::remove_file(&path);
                 continue;
             };
+            if state.container_id.starts_with(LEGACY_UNPROVEN_PREFIX) {
+                // Our table may still redirect that namespace's connections
+                // to the API server; it is not removed here, because the
+                // same table name may be another agent's in a namespace that
+                // is that agent's host.
+                tracing::warn!(netns = %state.netns, record = %path.display(), "dropping a record an earlier agent made for a pinned namespace that is no pod the runtime recorded; if that namespace is no node agent's own, remove the rules left there with: nsenter --net={} nft delete table inet konnectivity", state.netns);
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
             if !Path::new(&state.netns).exists() {
                 let _ = std::fs::remove_file(&path);
                 continue;
             }
             let id = state.container_id.clone();
             match self.open(state).await {
-                Ok(()) => tracing::info!(container_id = %id, "pod capture restored"),
+                Ok(()) => {
+                    restored += 1;
+                    tracing::info!(container_id = %id, "pod capture restored");
+                }
                 Err(error) => tracing::warn!(container_id = %id, %error, "could not restore pod capture"),
             }
         }
+        restored
     }
 }
 

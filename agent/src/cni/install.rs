@@ -73,21 +73,8 @@ pub fn install_binary(plugin: &Path, bin_dir: &Path) -> Result<PathBuf, InstallE
 
 /// The configuration file the runtime uses: the lexically first one.
 fn primary_config(conf_dir: &Path) -> Result<PathBuf, InstallError> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(conf_dir)
+    super::network::config_files(conf_dir)
         .map_err(io_error(conf_dir))?
-        .flatten()
-        .map(|entry| entry.path())
-        .filter(|path| {
-            let hidden = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with('.'));
-            let ext = path.extension().and_then(|e| e.to_str());
-            !hidden && matches!(ext, Some("conflist" | "conf" | "json"))
-        })
-        .collect();
-    files.sort();
-    files
         .into_iter()
         .next()
         .ok_or_else(|| InstallError::NoConfig(conf_dir.display().to_string()))

@@ -37,8 +37,8 @@ pub struct Topology {
     /// Where proxy-server and both agents come from.
     pub binaries: Binaries,
     pub node: Netns,
-    /// Held so the namespace lives as long as the topology.
-    _control_plane: Netns,
+    /// proxy-server, the control-plane agent and the API server stand-in.
+    pub control_plane: Netns,
     _nginx: Proc,
     _server: Proc,
     _cp_agent: Proc,
@@ -200,7 +200,7 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
         pki,
         binaries,
         node,
-        _control_plane: control_plane,
+        control_plane,
         _nginx: nginx,
         _server: server,
         _cp_agent: cp_agent,
@@ -231,6 +231,27 @@ impl Topology {
         self.node.sh(&format!(
             "curl -sS --max-time 20 --cacert {} {args}",
             self.pki.ca.display()
+        ))
+    }
+
+    /// `kubectl get --raw PATH` inside `netns`, with a kubeconfig as a node
+    /// or a pod has it: the server is the VIP, TLS checked against the API
+    /// server's CA (with a token, so kubectl does not prompt for a password).
+    pub fn kubectl_get_raw(&self, netns: &Netns, path: &str) -> std::process::Output {
+        let kubeconfig = self.dir.path().join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: kind\n  cluster:\n    server: https://{VIP}\n    \
+                 certificate-authority: {}\ncontexts:\n- name: node\n  context:\n    cluster: kind\n    user: node\n\
+                 current-context: node\nusers:\n- name: node\n  user:\n    token: node-bootstrap-token\n",
+                self.pki.ca.display()
+            ),
+        )
+        .unwrap();
+        netns.sh(&format!(
+            "kubectl --kubeconfig {} --request-timeout 20s get --raw {path}",
+            kubeconfig.display()
         ))
     }
 
