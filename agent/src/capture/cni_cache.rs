@@ -3,9 +3,12 @@
 //! attached to a network. libcni writes one file per attachment,
 //! `NETWORK-CONTAINERID-IFNAME`, once the whole chain's ADD has succeeded,
 //! and removes it on DEL. It holds the container id, the interface, the
-//! network's name and the configuration the chain ran with, the namespace
-//! path (libcni 1.1 and later) and the CNI_ARGS the runtime passed
-//! (K8S_POD_NAMESPACE, K8S_POD_NAME).
+//! network's name and the configuration the chain ran with, the CNI_ARGS the
+//! runtime passed (K8S_POD_NAMESPACE, K8S_POD_NAME) and the chain's result.
+//! The namespace path is a field of its own only in newer libcni; containerd
+//! 1.6's has none, and the path is then the `sandbox` the result gives the
+//! attachment's interface (every plugin reports the namespace it set the
+//! interface up in there).
 //!
 //! The cache is machine-global (containerd cannot move it), so it holds the
 //! attachments of every network on the machine; [`CachedAttachment::is_ours`]
@@ -64,6 +67,37 @@ struct CacheFile {
     netns: String,
     #[serde(rename = "cniArgs", default)]
     cni_args: Vec<(String, String)>,
+    #[serde(default)]
+    result: CachedResult,
+}
+
+#[derive(Deserialize, Default)]
+struct CachedResult {
+    #[serde(default)]
+    interfaces: Vec<CachedInterface>,
+}
+
+#[derive(Deserialize)]
+struct CachedInterface {
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    sandbox: String,
+}
+
+impl CacheFile {
+    /// The attachment's namespace: the cache's own field, or else the
+    /// sandbox of the interface the attachment made, as the result reports.
+    fn netns(&self) -> Option<&str> {
+        if !self.netns.is_empty() {
+            return Some(&self.netns);
+        }
+        self.result
+            .interfaces
+            .iter()
+            .find(|interface| interface.name == self.ifname && !interface.sandbox.is_empty())
+            .map(|interface| interface.sandbox.as_str())
+    }
 }
 
 /// The attachments cached under `cache_dir` that name their namespace;
@@ -77,8 +111,9 @@ pub(super) fn attachments(cache_dir: &Path) -> Vec<CachedAttachment> {
         .flatten()
         .filter_map(|entry| std::fs::read(entry.path()).ok())
         .filter_map(|bytes| serde_json::from_slice::<CacheFile>(&bytes).ok())
-        .filter(|file| file.kind == "cniCacheV1" && !file.netns.is_empty() && !file.container_id.is_empty())
-        .map(|file| {
+        .filter(|file| file.kind == "cniCacheV1" && !file.container_id.is_empty())
+        .filter_map(|file| {
+            let netns = file.netns()?.to_owned();
             let arg = |name: &str| {
                 file.cni_args
                     .iter()
@@ -91,15 +126,15 @@ pub(super) fn attachments(cache_dir: &Path) -> Vec<CachedAttachment> {
                 .ok()
                 .and_then(|bytes| serde_json::from_slice(&bytes).ok())
                 .and_then(|config| chained_agent_socket(&config));
-            CachedAttachment {
+            Some(CachedAttachment {
                 pod_namespace: arg("K8S_POD_NAMESPACE"),
                 pod_name: arg("K8S_POD_NAME"),
                 container_id: file.container_id,
                 ifname: file.ifname,
-                netns: file.netns,
+                netns,
                 network: file.network,
                 chained_socket,
-            }
+            })
         })
         .collect()
 }
@@ -131,10 +166,17 @@ mod tests {
             r#"{"kind":"cniCacheV1","containerId":"def456","config":"e30=","ifName":"eth0","networkName":"podnet","netns":"/var/run/netns/cni-2","cniArgs":[]}"#,
         )
         .unwrap();
-        // Older libcni: no netns, so it cannot be matched to a pin.
+        // containerd 1.6's libcni: no netns field; the result's interface
+        // names it (its host-side veth has no sandbox).
+        std::fs::write(
+            results.join("kindnet-0b2455-eth0"),
+            r#"{"kind":"cniCacheV1","containerId":"0b2455","config":"e30=","ifName":"eth0","networkName":"kindnet","cniArgs":[["K8S_POD_NAMESPACE","default"],["K8S_POD_NAME","pod-a"],["K8S_POD_INFRA_CONTAINER_ID","0b2455"],["K8S_POD_UID","uid-a"],["IgnoreUnknown","1"]],"capabilityArgs":{"dns":{"Servers":["10.96.0.10"]}},"result":{"cniVersion":"1.0.0","dns":{},"interfaces":[{"mac":"62:e0:94:a9:87:e2","name":"veth162f48e9"},{"mac":"1a:6d:01:08:25:4b","name":"eth0","sandbox":"/run/containerd/io.containerd.grpc.v1.cri/netns/cni-3922"}],"ips":[{"address":"10.244.1.2/24","gateway":"10.244.1.1","interface":1}]}}"#,
+        )
+        .unwrap();
+        // Nothing names the namespace: it cannot be matched to a pin.
         std::fs::write(
             results.join("podnet-old-eth0"),
-            r#"{"kind":"cniCacheV1","containerId":"old","config":"e30=","ifName":"eth0","networkName":"podnet"}"#,
+            r#"{"kind":"cniCacheV1","containerId":"old","config":"e30=","ifName":"eth0","networkName":"podnet","result":{"interfaces":[{"name":"veth1"}]}}"#,
         )
         .unwrap();
         std::fs::write(results.join("garbage"), "not json").unwrap();
@@ -144,6 +186,15 @@ mod tests {
         assert_eq!(
             found,
             [
+                CachedAttachment {
+                    container_id: "0b2455".into(),
+                    ifname: "eth0".into(),
+                    netns: "/run/containerd/io.containerd.grpc.v1.cri/netns/cni-3922".into(),
+                    pod_namespace: "default".into(),
+                    pod_name: "pod-a".into(),
+                    network: "kindnet".into(),
+                    chained_socket: None,
+                },
                 CachedAttachment {
                     container_id: "abc123".into(),
                     ifname: "eth0".into(),
