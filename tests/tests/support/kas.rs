@@ -239,16 +239,7 @@ impl Topology {
     /// server's CA (with a token, so kubectl does not prompt for a password).
     pub fn kubectl_get_raw(&self, netns: &Netns, path: &str) -> std::process::Output {
         let kubeconfig = self.dir.path().join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: kind\n  cluster:\n    server: https://{VIP}\n    \
-                 certificate-authority: {}\ncontexts:\n- name: node\n  context:\n    cluster: kind\n    user: node\n\
-                 current-context: node\nusers:\n- name: node\n  user:\n    token: node-bootstrap-token\n",
-                self.pki.ca.display()
-            ),
-        )
-        .unwrap();
+        std::fs::write(&kubeconfig, kubeconfig_text(&self.pki.ca.display().to_string())).unwrap();
         netns.sh(&format!(
             "kubectl --kubeconfig {} --request-timeout 20s get --raw {path}",
             kubeconfig.display()
@@ -263,6 +254,17 @@ impl Topology {
         let output = self.node.sh("nft list tables");
         String::from_utf8_lossy(&output.stdout).contains("konnectivity")
     }
+}
+
+/// A kubeconfig as a node or a pod has it: the server is the VIP, checked
+/// against the API server's CA at `ca` (with a token, so kubectl does not
+/// prompt for a password).
+pub fn kubeconfig_text(ca: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: kind\n  cluster:\n    server: https://{VIP}\n    \
+         certificate-authority: {ca}\ncontexts:\n- name: node\n  context:\n    cluster: kind\n    user: node\n\
+         current-context: node\nusers:\n- name: node\n  user:\n    token: node-bootstrap-token\n"
+    )
 }
 
 pub fn text(output: &std::process::Output) -> String {

@@ -8,6 +8,7 @@ pub mod balancer;
 pub mod certs;
 pub mod cluster;
 pub mod connect;
+pub mod containerd;
 pub mod foreign;
 pub mod grpc;
 pub mod h2_raw;
