@@ -232,6 +232,20 @@ pub struct Args {
         help_heading = "Pod capture (konnectivity-rs)"
     )]
     pub state_dir: String,
+    /// Unix socket where this node agent hands its listening sockets, captured pods and
+    /// rules to the agent that replaces it (a DaemonSet rollout with maxSurge), and where a
+    /// new agent looks for the one it replaces; `PATH.lock` says which of the two owns the
+    /// rules. Empty: no hand-over (a second agent on the node cannot start).
+    #[arg(
+        long,
+        default_value = "/var/run/konnectivity/handover.sock",
+        help_heading = "Node capture (konnectivity-rs)"
+    )]
+    pub handover_socket: String,
+    /// How long an agent that handed over waits, once told to stop, for the connections it
+    /// still carries before it exits (below the pod's terminationGracePeriodSeconds).
+    #[arg(long, value_parser = parse_duration, default_value = "25s", help_heading = "Node capture (konnectivity-rs)")]
+    pub drain_timeout: Duration,
 
     #[command(flatten)]
     pub runtime: konnectivity_plumbing::runtime::RuntimeArgs,
@@ -389,6 +403,9 @@ pub struct NodeConfig {
     pub node_frontend_port: u16,
     pub identity: Identity,
     pub cni: Option<CniSettings>,
+    /// `--handover-socket`; `None` when empty.
+    pub handover_socket: Option<std::path::PathBuf>,
+    pub drain_timeout: Duration,
 }
 
 /// Errors name the flag at fault; main exits with status 2 on them.
@@ -645,6 +662,8 @@ fn node_config_for(args: &Args, captures: Vec<Capture>) -> Result<Option<NodeCon
         mark: args.capture_mark,
         node_frontend_port: args.node_frontend_port,
         identity,
+        handover_socket: (!args.handover_socket.is_empty()).then(|| args.handover_socket.clone().into()),
+        drain_timeout: args.drain_timeout,
     }))
 }
 

@@ -35,9 +35,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use konnectivity_plumbing::lifecycle::Watcher;
+use konnectivity_plumbing::signals::Terminations;
 use konnectivity_plumbing::tls::{self, TlsError};
 
-use crate::capture::{CaptureError, NodeReadiness, NodeSettings};
+use crate::capture::{CaptureError, HealthService, NodeReadiness, NodeSettings};
 use crate::config::Config;
 use crate::health::AgentEndpoints;
 use crate::metrics::AgentMetrics;
@@ -86,27 +87,136 @@ impl Backoff {
     }
 }
 
-/// Runs the agent until the task is dropped. Once `drain` is signalled,
-/// every server stream sends DRAIN, so servers stop choosing this agent, and
-/// /readyz answers 503.
-pub async fn run(config: Config, drain: Watcher) -> Result<(), AgentError> {
+/// How the agent ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Told to stop (a second signal): a node agent still owns its rules.
+    Stopped,
+    /// A newer agent took the node role over, rules included.
+    HandedOver,
+}
+
+/// Runs the agent until it is told to stop, as upstream's: the first
+/// SIGTERM or SIGINT drains (every server stream sends DRAIN, so servers
+/// stop choosing this agent, and /readyz answers 503), the second ends it.
+/// A node agent whose role a newer agent took over drains at once, and ends
+/// at the first signal, once the connections it still carries are done or
+/// `--drain-timeout` has passed.
+pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, AgentError> {
+    let (drain, watcher) = konnectivity_plumbing::lifecycle::channel();
     let metrics = Arc::new(AgentMetrics::default());
-    let health = tokio::net::TcpListener::bind(config.health_addr)
-        .await
-        .map_err(|source| AgentError::HealthBind {
-            addr: config.health_addr,
-            source,
-        })?;
     let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
+    let drain_timeout = config.node.as_ref().map(|node| node.drain_timeout);
+    let agent = serve(config, watcher, metrics.clone(), node_readiness.clone());
+    tokio::pin!(agent);
+    let handed_over = async {
+        match &node_readiness {
+            Some(readiness) => readiness.handed_over().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(handed_over);
+    let mut signaled = false;
+    tokio::select! {
+        result = &mut agent => return result.map(|()| Ended::Stopped),
+        signal = signals.next() => {
+            tracing::info!(signal, "draining; send the signal again to exit");
+            drain.signal();
+            signaled = true;
+        }
+        () = &mut handed_over => {
+            tracing::info!("draining: a newer agent took the node role over");
+            drain.signal();
+        }
+    }
+    if signaled {
+        tokio::select! {
+            result = &mut agent => return result.map(|()| Ended::Stopped),
+            signal = signals.next() => {
+                tracing::info!(signal, "exiting");
+                return Ok(Ended::Stopped);
+            }
+            () = &mut handed_over => tracing::info!("a newer agent took the node role over"),
+        }
+    } else {
+        tokio::select! {
+            result = &mut agent => return result.map(|()| Ended::HandedOver),
+            signal = signals.next() => tracing::info!(signal, "exiting once the open connections end"),
+        }
+    }
+    let limit = drain_timeout.unwrap_or_default();
+    tokio::select! {
+        result = &mut agent => result.map(|()| Ended::HandedOver),
+        quiet = connections_done(&metrics, limit) => {
+            if quiet {
+                tracing::info!("open connections done; exiting");
+            } else {
+                tracing::info!(
+                    captured = metrics.captured_connections_open.get(),
+                    endpoints = metrics.open_endpoint_connections.get(),
+                    timeout = ?limit,
+                    "exiting with connections still open (--drain-timeout)"
+                );
+            }
+            Ok(Ended::HandedOver)
+        }
+    }
+}
+
+/// The agent without its signal handling, for a program that embeds agents
+/// (the benchmark's fleet): runs until dropped, or until it fails to start;
+/// `drain` signalled does what the first SIGTERM does.
+pub async fn run_with_drain(config: Config, drain: Watcher) -> Result<(), AgentError> {
+    let metrics = Arc::new(AgentMetrics::default());
+    let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
+    serve(config, drain, metrics, node_readiness).await
+}
+
+/// Waits until no captured or endpoint connection is open, at most `limit`;
+/// whether they all ended.
+async fn connections_done(metrics: &AgentMetrics, limit: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if metrics.captured_connections_open.get() == 0 && metrics.open_endpoint_connections.get() == 0 {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The agent's work: the server streams (egress), and the node role when
+/// configured; ends only when one of them fails to start.
+async fn serve(
+    config: Config,
+    drain: Watcher,
+    metrics: Arc<AgentMetrics>,
+    node_readiness: Option<Arc<NodeReadiness>>,
+) -> Result<(), AgentError> {
     let endpoints = Arc::new(AgentEndpoints {
         metrics: metrics.clone(),
         drain: drain.clone(),
         node_readiness: node_readiness.clone(),
     });
-    let _health = AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
-        health, endpoints,
-    )));
-
+    // The node role serves health itself: it hands the listener to the
+    // agent that replaces it, with its other sockets.
+    let _health = match &config.node {
+        Some(_) => None,
+        None => {
+            let health = tokio::net::TcpListener::bind(config.health_addr)
+                .await
+                .map_err(|source| AgentError::HealthBind {
+                    addr: config.health_addr,
+                    source,
+                })?;
+            Some(AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
+                Arc::new(health),
+                endpoints.clone(),
+            ))))
+        }
+    };
     let alpn: Vec<&[u8]> = config.alpn.iter().map(|proto| proto.as_bytes()).collect();
     let tls = tls::client_config(config.ca_cert.as_ref(), config.identity.as_ref(), &alpn)?;
     let target = ServerTarget {
@@ -196,11 +306,19 @@ pub async fn run(config: Config, drain: Watcher) -> Result<(), AgentError> {
         sync_interval: config.sync_interval,
         sync_interval_cap: config.sync_interval_cap,
         cni: node.cni.clone(),
+        handover_socket: node.handover_socket.clone(),
+    };
+    let health = HealthService {
+        addr: config.health_addr,
+        endpoints,
     };
     tokio::select! {
-        result = capture::run(node_settings, metrics, readiness) => result.map_err(AgentError::from),
-        _ = &mut egress.0 => Ok(()),
+        result = capture::run(node_settings, metrics, readiness, health) => result?,
+        _ = &mut egress.0 => return Ok(()),
     }
+    // Handed over: the server streams drain and carry their connections on.
+    let _ = (&mut egress.0).await;
+    Ok(())
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);

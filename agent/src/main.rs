@@ -29,29 +29,14 @@ fn main() -> anyhow::Result<()> {
     let runtime = konnectivity_plumbing::runtime::multi_thread(args.runtime.workers())?;
     let result = runtime.block_on(async {
         let mut signals = konnectivity_plumbing::signals::Terminations::new()?;
-        let (drain, watcher) = konnectivity_plumbing::lifecycle::channel();
-        let agent = konnectivity_agent::run(config, watcher);
-        tokio::pin!(agent);
-        // As upstream: the first signal drains (servers stop choosing this
-        // agent, open connections carry on), the second exits.
-        tokio::select! {
-            result = &mut agent => return result.map_err(anyhow::Error::from),
-            signal = signals.next() => {
-                tracing::info!(signal, "draining; send the signal again to exit");
-                drain.signal();
-            }
-        }
-        tokio::select! {
-            result = &mut agent => result.map_err(anyhow::Error::from),
-            signal = signals.next() => {
-                tracing::info!(signal, "exiting");
-                Ok(())
-            }
-        }
+        konnectivity_agent::run(config, &mut signals)
+            .await
+            .map_err(anyhow::Error::from)
     });
-    // A clean exit takes the capture rules away; a crash leaves them, so a
-    // restarted agent finds them in place and resumes at once.
-    if captures {
+    // Told to stop, the owner of the capture rules takes them away; a crash
+    // leaves them, so a restarted agent finds them in place and resumes at
+    // once, and an agent that handed over leaves them to its successor.
+    if captures && matches!(result, Ok(konnectivity_agent::Ended::Stopped)) {
         match konnectivity_agent::capture::remove_rules() {
             Ok(()) => tracing::info!("capture rules removed"),
             Err(error) => tracing::warn!(%error, "could not remove the capture rules"),

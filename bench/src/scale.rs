@@ -94,7 +94,7 @@ pub async fn fleet(args: FleetArgs) -> anyhow::Result<()> {
         let (trigger, watcher) = konnectivity_plumbing::lifecycle::channel();
         triggers.push(trigger);
         tokio::spawn(async move {
-            if let Err(error) = konnectivity_agent::run(config, watcher).await {
+            if let Err(error) = konnectivity_agent::run_with_drain(config, watcher).await {
                 eprintln!("agent fleet-{n}: {error}");
             }
         });

@@ -38,8 +38,10 @@ pub trait Endpoints: Send + Sync + 'static {
     fn reply(&self, path: &str) -> Reply;
 }
 
-/// Serves `endpoints` on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, endpoints: Arc<dyn Endpoints>) {
+/// Serves `endpoints` on `listener` until the task is dropped. The listener
+/// is shared so that its owner can keep it past the task (a node agent hands
+/// its health listener to the agent that replaces it).
+pub async fn serve(listener: Arc<TcpListener>, endpoints: Arc<dyn Endpoints>) {
     loop {
         let (tcp, _) = match listener.accept().await {
             Ok(accepted) => accepted,

@@ -186,7 +186,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         registry,
         metrics: metrics.clone(),
     });
-    let health_task = tokio::spawn(konnectivity_plumbing::http::serve(health, endpoints));
+    let health_task = tokio::spawn(konnectivity_plumbing::http::serve(Arc::new(health), endpoints));
     // Published once clients can connect, as health is.
     let lease_controller = config
         .leases

@@ -14,182 +14,19 @@
 //! agents come from the image when `hack/image.sh` exported it (always under
 //! CI), from this build otherwise.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use serde_json::json;
-
-use crate::support::containerd::{Completed, Containerd, Pod, containerd_or_skip};
-use crate::support::image::Binaries;
+use crate::support::containerd::containerd_or_skip;
+use crate::support::cri_node::Node;
 use crate::support::kas::*;
-use crate::support::procs::Proc;
 use crate::support::wait_until;
-
-/// A node: the topology, containerd in its namespace, and the node agent.
-/// Dropped in that order reversed: containerd's pins are unmounted before
-/// the topology's directory, which holds them, is removed.
-struct Node {
-    containerd: Containerd,
-    agent: Option<Proc>,
-    topology: Topology,
-}
-
-impl Node {
-    /// The topology, containerd with a kind node's CNI chain and, with
-    /// `chained`, konnectivity-cni installed into it and the node agent
-    /// running.
-    async fn start(chained: bool) -> Node {
-        let topology = build_from(false, Binaries::image_or_build()).await;
-        let containerd = Containerd::start(&topology.node, topology.dir.path()).await;
-        // A network name of the test's own: on a real node libcni's cache
-        // holds every network's attachments.
-        static COUNTER: AtomicU32 = AtomicU32::new(0);
-        let network = format!(
-            "konn-{}-{}-kindnet",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        );
-        let conflist = json!({
-            "cniVersion": "1.0.0",
-            "name": network,
-            "plugins": [
-                {
-                    "type": "ptp",
-                    "ipMasq": false,
-                    "ipam": {
-                        "type": "host-local",
-                        "dataDir": topology.dir.path().join("ipam").display().to_string(),
-                        "routes": [{"dst": "0.0.0.0/0"}],
-                        "ranges": [[{"subnet": "10.244.1.0/24"}]],
-                    },
-                    "mtu": 1500,
-                },
-                {"type": "portmap", "capabilities": {"portMappings": true}},
-            ],
-        });
-        std::fs::write(
-            containerd.cni_conf_dir.join("10-kindnet.conflist"),
-            serde_json::to_vec_pretty(&conflist).unwrap(),
-        )
-        .unwrap();
-        let mut node = Node {
-            topology,
-            containerd,
-            agent: None,
-        };
-        if chained {
-            node.install_cni();
-            node.start_agent();
-            node.topology.wait_node_ready().await;
-        }
-        node
-    }
-
-    fn dir(&self) -> &Path {
-        self.topology.dir.path()
-    }
-
-    fn state_dir(&self) -> PathBuf {
-        self.dir().join("pods")
-    }
-
-    /// `proxy-agent install-cni`, as the DaemonSet's sidecar runs it.
-    fn install_cni(&self) {
-        let line = self.topology.binaries.command_line(
-            "proxy-agent",
-            &[
-                "install-cni".to_owned(),
-                format!("--cni-bin-dir={}", self.containerd.cni_bin_dir.display()),
-                format!("--cni-conf-dir={}", self.containerd.cni_conf_dir.display()),
-                format!("--agent-socket={}", self.dir().join("cni.sock").display()),
-                "--exclude-namespaces=kube-system".to_owned(),
-            ],
-        );
-        let installed = Command::new(&line[0]).args(&line[1..]).output().unwrap();
-        assert!(installed.status.success(), "install-cni: {}", text(&installed));
-    }
-
-    /// The node agent with pod capture, pointed at containerd's directories.
-    fn start_agent(&mut self) {
-        let args = [
-            format!("--cni-socket={}", self.dir().join("cni.sock").display()),
-            format!("--state-dir={}", self.state_dir().display()),
-            format!("--pod-netns-dir={}", self.containerd.netns_dir.display()),
-            format!("--cni-cache-dir={}", self.containerd.cni_cache_dir.display()),
-            format!("--cni-conf-dir={}", self.containerd.cni_conf_dir.display()),
-            "--exclude-namespaces=kube-system".to_owned(),
-        ];
-        self.agent = Some(self.topology.start_node_agent(&args));
-    }
-
-    fn kill_agent(&mut self) {
-        if let Some(mut agent) = self.agent.take() {
-            agent.kill();
-        }
-    }
-
-    /// `kubectl get --raw /version` in a container of `pod`, with the
-    /// kubeconfig and CA a pod would have mounted.
-    async fn kubectl_version(&self, pod: &Pod) -> Completed {
-        let kubeconfig = self.dir().join("pod-kubeconfig");
-        std::fs::write(&kubeconfig, kubeconfig_text("/etc/kubernetes/ca.crt")).unwrap();
-        self.containerd
-            .run_to_completion(
-                pod,
-                "kubectl",
-                &[
-                    "kubectl",
-                    "--kubeconfig=/etc/kubernetes/kubeconfig",
-                    "--request-timeout=10s",
-                    "get",
-                    "--raw",
-                    "/version",
-                ],
-                &[
-                    (&kubeconfig, "/etc/kubernetes/kubeconfig"),
-                    (&self.topology.pki.ca, "/etc/kubernetes/ca.crt"),
-                ],
-            )
-            .await
-    }
-
-    /// Asserts that kubectl in `pod` gets the API server's version.
-    async fn assert_reaches_the_api_server(&self, pod: &Pod, when: &str) {
-        let kubectl = self.kubectl_version(pod).await;
-        assert!(
-            kubectl.exit_code == 0 && kubectl.output.contains("v1.31.0-konnectivity-standin"),
-            "{when}: kubectl in the pod exited {}: {}\n---- node agent log ----\n{}",
-            kubectl.exit_code,
-            kubectl.output,
-            self.agent.as_ref().map(Proc::log_text).unwrap_or_default()
-        );
-    }
-
-    /// Whether our table is in `pod`'s network namespace.
-    async fn has_table(&self, pod: &Pod) -> bool {
-        let netns = self.containerd.netns_of(pod).await;
-        let tables = Command::new("nsenter")
-            .arg(format!("--net={}", netns.display()))
-            .args(["nft", "list", "tables"])
-            .output()
-            .unwrap();
-        assert!(tables.status.success(), "{}", text(&tables));
-        String::from_utf8_lossy(&tables.stdout).contains("konnectivity")
-    }
-
-    fn record_of(&self, pod: &Pod) -> PathBuf {
-        self.state_dir().join(format!("{}.json", pod.id))
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_from_containerds_cri_reach_the_api_server_through_the_vip_until_deleted() {
     if !containerd_or_skip("pods_from_containerds_cri_reach_the_api_server_through_the_vip_until_deleted") {
         return;
     }
-    let node = Node::start(true).await;
+    let node = Node::start(true, false).await;
     let containerd = &node.containerd;
 
     let pod = containerd
@@ -269,7 +106,7 @@ async fn captured_pods_ride_out_agent_and_containerd_restarts() {
     if !containerd_or_skip("captured_pods_ride_out_agent_and_containerd_restarts") {
         return;
     }
-    let mut node = Node::start(true).await;
+    let mut node = Node::start(true, false).await;
     let pod = node.containerd.run_pod("web", "default").await.unwrap();
     node.assert_reaches_the_api_server(&pod, "a new pod").await;
 
@@ -312,7 +149,7 @@ async fn a_pod_created_while_the_agent_is_down_fails_closed_and_starts_once_it_i
     if !containerd_or_skip("a_pod_created_while_the_agent_is_down_fails_closed_and_starts_once_it_is_back") {
         return;
     }
-    let mut node = Node::start(true).await;
+    let mut node = Node::start(true, false).await;
     node.kill_agent();
     let refused = match node.containerd.run_pod("web", "default").await {
         Ok(_) => panic!("RunPodSandbox succeeded with the node agent down"),
@@ -355,7 +192,7 @@ async fn pods_that_ran_before_the_plugin_was_chained_are_enrolled_from_container
     }
     // A live cluster before the DaemonSet: containerd sets pods up with the
     // primary chain alone.
-    let mut node = Node::start(false).await;
+    let mut node = Node::start(false, false).await;
     let early = node.containerd.run_pod("early", "default").await.unwrap();
     let system = node.containerd.run_pod("coredns", "kube-system").await.unwrap();
     assert!(!node.has_table(&early).await);

@@ -662,6 +662,21 @@ fn node_to_kas_pieces_agree_with_each_other() {
                 "{base}: --cni-cache-dir must be the node's libcni cache"
             );
         }
+        // The hand-over socket is on a directory of the node both pods of a
+        // rollout mount, and an agent that handed over is done before
+        // kubelet kills it.
+        let handover = node.flag_or("handover-socket", "/var/run/konnectivity/handover.sock");
+        let host = node
+            .host_path(&handover)
+            .unwrap_or_else(|| panic!("{base}: --handover-socket {handover} is on no hostPath volume"));
+        assert_eq!(host, handover, "{base}: the hand-over socket's node path");
+        let drain = node.flag_or("drain-timeout", "25s");
+        let grace = node.pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        let drain_seconds: u64 = drain.trim_end_matches('s').parse().unwrap();
+        assert!(
+            drain_seconds < grace,
+            "{base}: --drain-timeout={drain} within the grace of {grace}s"
+        );
         // Every capture target is a destination the server lets nodes dial.
         let targets: Vec<&str> = node
             .args
@@ -690,6 +705,34 @@ fn node_to_kas_pieces_agree_with_each_other() {
         assert_ne!(
             node.flag("health-server-port"),
             cp_agent.flag("health-server-port")
+        );
+    }
+}
+
+/// A rollout replaces the node agent by starting the new one beside the
+/// old (maxSurge): the hand-over needs both on the node at once, and a
+/// declared port would keep the scheduler from placing the second.
+#[test]
+fn node_agent_rollouts_start_the_new_agent_beside_the_old() {
+    if !tool_available("kubectl", &["version", "--client"]) {
+        return;
+    }
+    let objects = rendered_base("node-to-kas");
+    let daemonset = objects
+        .iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .expect("the node agent DaemonSet");
+    let strategy = &daemonset["spec"]["updateStrategy"];
+    assert_eq!(strategy["type"], "RollingUpdate");
+    assert_eq!(strategy["rollingUpdate"]["maxSurge"], 1, "{strategy}");
+    assert_eq!(strategy["rollingUpdate"]["maxUnavailable"], 0, "{strategy}");
+    let spec = &daemonset["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"], true);
+    for container in spec["containers"].as_array().unwrap() {
+        assert!(
+            container["ports"].as_array().is_none_or(Vec::is_empty),
+            "{}: a hostNetwork pod's declared port is a host port the surge pod cannot have",
+            container["name"]
         );
     }
 }

@@ -27,7 +27,7 @@ pub(super) fn bind(path: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-pub(super) async fn serve(listener: UnixListener, pods: Arc<Pods>, readiness: Arc<NodeReadiness>) {
+pub(super) async fn serve(listener: Arc<UnixListener>, pods: Arc<Pods>, readiness: Arc<NodeReadiness>) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {

@@ -23,7 +23,7 @@ pub(super) struct CaptureContext {
 }
 
 /// Accepts captured connections until the task is dropped.
-pub(super) async fn serve(listener: TcpListener, context: Arc<CaptureContext>) {
+pub(super) async fn serve(listener: Arc<TcpListener>, context: Arc<CaptureContext>) {
     loop {
         match listener.accept().await {
             Ok((connection, _)) => {

@@ -28,6 +28,21 @@ impl NetnsHandle {
         })
     }
 
+    /// A namespace already open (handed over by the agent before).
+    pub(super) fn from_file(file: File) -> std::io::Result<NetnsHandle> {
+        use std::os::unix::fs::MetadataExt;
+        let metadata = file.metadata()?;
+        Ok(NetnsHandle {
+            file: std::sync::Arc::new(file),
+            identity: (metadata.dev(), metadata.ino()),
+        })
+    }
+
+    /// A descriptor of the namespace, to pass to another process.
+    pub(super) fn duplicate(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        std::os::fd::AsFd::as_fd(&*self.file).try_clone_to_owned()
+    }
+
     /// The namespace's device and inode, as `stat` of any path to it gives.
     pub(super) fn identity(&self) -> (u64, u64) {
         self.identity

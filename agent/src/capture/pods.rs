@@ -2,17 +2,18 @@
 //! namespace, and a state file per pod so a restarted agent re-opens them.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use konnectivity_cni::message::{Attachment, Pod};
 use serde::{Deserialize, Serialize};
-use tokio::task::AbortHandle;
 
 use super::listener::{self, CaptureContext};
 use super::netns::{self, NetnsHandle};
 use super::nft;
+use super::serving::Serving;
 use crate::programs::NFT;
 
 #[derive(Debug, thiserror::Error)]
@@ -32,13 +33,13 @@ pub enum PodError {
     State { dir: String, source: std::io::Error },
 }
 
-/// What is persisted per pod.
+/// What is persisted per pod (and handed to a successor).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct PodState {
+pub(super) struct PodState {
     #[serde(rename = "containerId")]
-    container_id: String,
-    netns: String,
-    ifname: String,
+    pub container_id: String,
+    pub netns: String,
+    pub ifname: String,
 }
 
 struct CapturedPod {
@@ -47,15 +48,8 @@ struct CapturedPod {
     /// that later names another namespace (a reused PID, a recreated pin)
     /// is not this pod any more.
     netns: NetnsHandle,
-    listeners: Vec<AbortHandle>,
-}
-
-impl Drop for CapturedPod {
-    fn drop(&mut self) {
-        for listener in &self.listeners {
-            listener.abort();
-        }
-    }
+    /// Its capture listeners (stopped when the pod is dropped).
+    listeners: Vec<Serving<tokio::net::TcpListener>>,
 }
 
 /// Settings for pod capture.
@@ -120,7 +114,7 @@ pub(super) struct Pods {
     pods: Mutex<HashMap<String, CapturedPod>>,
     /// Held while a pod is being captured, so an ADD and an enrolment of
     /// the same namespace never both open a listener in it.
-    capturing: tokio::sync::Mutex<()>,
+    capturing: Arc<tokio::sync::Mutex<()>>,
 }
 
 fn validate(
@@ -176,7 +170,7 @@ impl Pods {
             settings,
             context,
             pods: Mutex::new(HashMap::new()),
-            capturing: tokio::sync::Mutex::new(()),
+            capturing: Arc::new(tokio::sync::Mutex::new(())),
         })
     }
 
@@ -286,21 +280,103 @@ impl Pods {
         .await
         .expect("netns task does not panic")
         .map_err(setup_error)?;
-        let mut handles = Vec::new();
-        for listener in listeners {
-            let listener = tokio::net::TcpListener::from_std(listener).map_err(setup_error)?;
-            handles.push(tokio::spawn(listener::serve(listener, self.context.clone())).abort_handle());
+        let listeners = listeners.into_iter().map(OwnedFd::from).collect();
+        let path = state.netns.clone();
+        self.serve(state, netns, listeners)
+            .map_err(|source| PodError::Setup { netns: path, source })
+    }
+
+    /// Serves a pod's capture listeners and records it in memory.
+    fn serve(&self, state: PodState, netns: NetnsHandle, listeners: Vec<OwnedFd>) -> std::io::Result<()> {
+        let mut serving = Vec::new();
+        for fd in listeners {
+            let listener = std::net::TcpListener::from(fd);
+            listener.set_nonblocking(true)?;
+            let listener = tokio::net::TcpListener::from_std(listener)?;
+            let context = self.context.clone();
+            serving.push(Serving::start(listener, |listener| {
+                listener::serve(listener, context)
+            }));
         }
         let previous = self.pods.lock().expect("pods lock").insert(
             state.container_id.clone(),
             CapturedPod {
                 state,
                 netns,
-                listeners: handles,
+                listeners: serving,
             },
         );
         drop(previous);
         Ok(())
+    }
+
+    /// Takes on the pods a predecessor captured: their namespaces as it
+    /// held them, their listeners as they are (still accepting there until
+    /// it stops). Their records are already in the state directory.
+    pub(super) fn inherit(&self, pods: Vec<super::handover::InheritedPod>) {
+        for pod in pods {
+            let id = pod.state.container_id.clone();
+            let served = NetnsHandle::from_file(pod.netns)
+                .and_then(|netns| self.serve(pod.state, netns, pod.listeners));
+            if let Err(error) = served {
+                tracing::warn!(container_id = %id, %error, "could not take over a pod's capture");
+            }
+        }
+    }
+
+    /// Stops the pods' listeners (a successor accepts on them now).
+    pub(super) fn stop_serving(&self) {
+        for pod in self.pods.lock().expect("pods lock").values() {
+            for listener in &pod.listeners {
+                listener.stop();
+            }
+        }
+    }
+
+    /// Applies the current ruleset again in every captured pod (atomically:
+    /// the table is replaced in one transaction), after a configuration
+    /// change.
+    pub(super) async fn reapply_rules(&self) {
+        let pods: Vec<(String, NetnsHandle)> = self
+            .pods
+            .lock()
+            .expect("pods lock")
+            .iter()
+            .map(|(id, pod)| (id.clone(), pod.netns.clone()))
+            .collect();
+        for (id, netns) in pods {
+            let ruleset = self.settings.ruleset.clone();
+            let applied = tokio::task::spawn_blocking(move || {
+                netns.run(move || nft::apply(&ruleset).map_err(std::io::Error::other))
+            })
+            .await
+            .expect("netns task does not panic");
+            if let Err(error) = applied {
+                tracing::warn!(container_id = %id, %error, "could not replace a pod's capture rules");
+            }
+        }
+    }
+
+    /// Every captured pod with its descriptors (its namespace, then its
+    /// listeners), for a successor; taken while pod changes are held (see
+    /// [`Pods::hold_changes`]).
+    pub(super) fn snapshot(&self) -> std::io::Result<Vec<(PodState, Vec<OwnedFd>)>> {
+        let pods = self.pods.lock().expect("pods lock");
+        let mut snapshot = Vec::new();
+        for pod in pods.values() {
+            let mut fds = vec![pod.netns.duplicate()?];
+            for listener in &pod.listeners {
+                fds.push(listener.duplicate()?);
+            }
+            snapshot.push((pod.state.clone(), fds));
+        }
+        Ok(snapshot)
+    }
+
+    /// Holds every pod change (ADD, enrolment) until the guard is dropped;
+    /// waits for one under way. From a thread outside the runtime.
+    pub(super) fn hold_changes(&self, runtime: &tokio::runtime::Handle) -> tokio::sync::OwnedMutexGuard<()> {
+        runtime.block_on(self.capturing.clone().lock_owned())
     }
 
     /// Forgets a pod: listeners closed, state removed. Its rules die with
@@ -320,7 +396,7 @@ impl Pods {
             let pod = pods
                 .get(container_id)
                 .ok_or_else(|| format!("pod {container_id} is not captured by this agent"))?;
-            if pod.listeners.iter().any(AbortHandle::is_finished) {
+            if pod.listeners.iter().any(Serving::is_stopped) {
                 return Err(format!(
                     "the capture listener of pod {container_id} is not running"
                 ));

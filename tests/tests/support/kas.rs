@@ -209,13 +209,18 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
 }
 
 impl Topology {
-    pub fn start_node_agent(&self, extra_captures: &[String]) -> Proc {
-        self.node.spawn_from(
-            &self.binaries,
-            "proxy-agent",
-            &node_agent_args(&self.pki, extra_captures),
-            self.dir.path(),
-        )
+    /// The node agent with `extra` flags. Its hand-over socket is the
+    /// test's own: on the machine's, agents of other tests would hand their
+    /// roles to each other.
+    pub fn start_node_agent(&self, extra: &[String]) -> Proc {
+        let mut args = node_agent_args(&self.pki, &[]);
+        args.push(format!(
+            "--handover-socket={}",
+            self.dir.path().join("handover.sock").display()
+        ));
+        args.extend(extra.iter().cloned());
+        self.node
+            .spawn_from(&self.binaries, "proxy-agent", &args, self.dir.path())
     }
 
     pub async fn wait_node_ready(&self) {
