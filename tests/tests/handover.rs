@@ -120,41 +120,36 @@ fn report(name: &str, attempts: &[Attempt]) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_rolling_replacement_of_the_node_agent_fails_no_connection() {
-    if !containerd_or_skip("a_rolling_replacement_of_the_node_agent_fails_no_connection") {
-        return;
-    }
-    let mut node = Node::start(true, true).await;
-    let first = node.containerd.run_pod("client", "default").await.unwrap();
-    node.assert_reaches_the_api_server(&first, "the first pod").await;
-    let agent_pid = node.agent.as_ref().unwrap().pid();
-    let before_pod = descriptors(agent_pid).len();
-    let mut pods = vec![first];
-    let second = node.containerd.run_pod("client-2", "default").await.unwrap();
-    let per_pod = descriptors(agent_pid).len() - before_pod;
-    pods.push(second);
-    let baseline = descriptors(agent_pid);
+/// What the rolling replacements did to the clients.
+struct Rolling {
+    attempted: usize,
+    failed: Vec<String>,
+}
 
+/// Replaces the node agent `REPLACEMENTS` times as a DaemonSet rollout with
+/// maxSurge does, under the load from the node and from `pods[0]`, a pod
+/// created during each replacement (added to `pods`); with `download`, a
+/// 200 MiB download through the VIP spans them and is checked.
+async fn replace_rolling(node: &mut Node, pods: &mut Vec<Pod>, download: bool) -> Rolling {
     let pod_netns = node.containerd.netns_of(&pods[0]).await;
-    let from_node = load_from(&node, node_netns(&node));
-    let from_pod = load_from(&node, pod_netns);
-    // A 200 MiB download through the VIP, slowed so that it spans every
-    // replacement, checksummed as it arrives.
-    let download = node.topology.node.spawn_program(
-        "sh",
-        &[
-            "-c".to_owned(),
-            format!(
-                "curl -sS --limit-rate 20M --cacert {} https://{VIP}/files/blob | sha256sum > {}",
-                node.topology.pki.ca.display(),
-                node.dir().join("blob.sha256").display()
-            ),
-        ],
-        node.dir(),
-    );
+    let from_node = load_from(node, node_netns(node));
+    let from_pod = load_from(node, pod_netns);
+    // Slowed so that it spans every replacement, checksummed as it arrives.
+    let downloading = download.then(|| {
+        node.topology.node.spawn_program(
+            "sh",
+            &[
+                "-c".to_owned(),
+                format!(
+                    "curl -sS --limit-rate 20M --cacert {} https://{VIP}/files/blob | sha256sum > {}",
+                    node.topology.pki.ca.display(),
+                    node.dir().join("blob.sha256").display()
+                ),
+            ],
+            node.dir(),
+        )
+    });
     tokio::time::sleep(Duration::from_secs(1)).await;
-
     let mut replaced = Vec::new();
     for n in 0..REPLACEMENTS {
         // The DaemonSet's surge pod starts beside the old one; kubelet
@@ -171,32 +166,29 @@ async fn a_rolling_replacement_of_the_node_agent_fails_no_connection() {
         replaced.push(old);
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-
-    wait_until(Duration::from_secs(60), "the download to finish", || async {
-        std::fs::read_to_string(node.dir().join("blob.sha256")).is_ok_and(|sum| !sum.is_empty())
-    })
-    .await;
-    drop(download);
-    let sum = std::fs::read_to_string(node.dir().join("blob.sha256")).unwrap();
-    assert!(
-        sum.starts_with(&node.topology.blob_sha256),
-        "200 MiB arrived changed: {sum}"
-    );
+    if let Some(downloading) = downloading {
+        let sum = node.dir().join("blob.sha256");
+        wait_until(Duration::from_secs(60), "the download to finish", || async {
+            std::fs::read_to_string(&sum).is_ok_and(|sum| !sum.is_empty())
+        })
+        .await;
+        drop(downloading);
+        let sum = std::fs::read_to_string(&sum).unwrap();
+        assert!(
+            sum.starts_with(&node.topology.blob_sha256),
+            "200 MiB arrived changed: {sum}"
+        );
+    }
     let (node_attempts, pod_attempts) = (from_node.finish(), from_pod.finish());
     report("from the node", &node_attempts);
     report("from a pod", &pod_attempts);
-    let failed: Vec<String> = failures(&node_attempts)
-        .into_iter()
-        .chain(failures(&pod_attempts))
-        .collect();
-    assert!(failed.is_empty(), "failed connections:\n{}", failed.join("\n"));
     let seconds = node_attempts.last().unwrap().started.as_secs_f64();
     assert!(
         (node_attempts.len() + pod_attempts.len()) as f64 >= 1.8 * f64::from(RATE) * seconds,
         "the load ran at 200 a second"
     );
-
-    // Each old agent exits once its connections are done.
+    // Each old agent exits once its connections are done, and leaves the
+    // rules to its successor.
     for old in &replaced {
         let pid = old.pid();
         wait_until(
@@ -213,6 +205,106 @@ async fn a_rolling_replacement_of_the_node_agent_fails_no_connection() {
             "a replaced agent leaves the rules to its successor"
         );
     }
+    Rolling {
+        attempted: node_attempts.len() + pod_attempts.len(),
+        failed: failures(&node_attempts)
+            .into_iter()
+            .chain(failures(&pod_attempts))
+            .collect(),
+    }
+}
+
+/// What the kills did to the clients.
+struct Killed {
+    attempted: usize,
+    failed: usize,
+    /// The longest a failed connection took to fail.
+    slowest_failure: Duration,
+    /// From each new process' start until a captured connection from the
+    /// node, and from the pod, worked again.
+    recoveries: Vec<(Duration, Duration)>,
+}
+
+/// Kills the node agent `REPLACEMENTS` times (SIGKILL) and starts a new one
+/// at once, under the load from the node and from `pods[0]`; a pod is
+/// created after each (added to `pods`).
+async fn replace_by_killing(node: &mut Node, pods: &mut Vec<Pod>) -> Killed {
+    let pod_netns = node.containerd.netns_of(&pods[0]).await;
+    let from_node = load_from(node, node_netns(node));
+    let from_pod = load_from(node, pod_netns);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut restarts = Vec::new();
+    for n in 0..REPLACEMENTS {
+        node.kill_agent();
+        restarts.push(from_node.began.elapsed());
+        node.start_agent();
+        node.topology.wait_node_ready().await;
+        // kubelet retries a pod whose ADD failed meanwhile; now it starts.
+        pods.push(
+            node.containerd
+                .run_pod(&format!("after-{n}"), "default")
+                .await
+                .unwrap_or_else(|status| panic!("RunPodSandbox after restart {n}: {status}")),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let (node_attempts, pod_attempts) = (from_node.finish(), from_pod.finish());
+    report("from the node", &node_attempts);
+    report("from a pod", &pod_attempts);
+    let recovered = |attempts: &[Attempt], restart: Duration| {
+        attempts
+            .iter()
+            .find(|a| a.started >= restart && a.outcome.is_ok())
+            .map(|a| a.started + a.took - restart)
+            .expect("connections work again")
+    };
+    let failed: Vec<&Attempt> = node_attempts
+        .iter()
+        .chain(&pod_attempts)
+        .filter(|a| a.outcome.is_err())
+        .collect();
+    Killed {
+        attempted: node_attempts.len() + pod_attempts.len(),
+        failed: failed.len(),
+        slowest_failure: failed.iter().map(|a| a.took).max().unwrap_or_default(),
+        recoveries: restarts
+            .iter()
+            .map(|restart| {
+                (
+                    recovered(&node_attempts, *restart),
+                    recovered(&pod_attempts, *restart),
+                )
+            })
+            .collect(),
+    }
+}
+
+/// A node with its agent, and a captured pod whose clients are loaded.
+async fn node_with_a_pod(blob: bool) -> (Node, Vec<Pod>) {
+    let node = Node::start(true, blob).await;
+    let pod = node.containerd.run_pod("client", "default").await.unwrap();
+    node.assert_reaches_the_api_server(&pod, "the first pod").await;
+    (node, vec![pod])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_replacement_of_the_node_agent_fails_no_connection() {
+    if !containerd_or_skip("a_rolling_replacement_of_the_node_agent_fails_no_connection") {
+        return;
+    }
+    let (mut node, mut pods) = node_with_a_pod(true).await;
+    let agent_pid = node.agent.as_ref().unwrap().pid();
+    let before_pod = descriptors(agent_pid).len();
+    pods.push(node.containerd.run_pod("client-2", "default").await.unwrap());
+    let per_pod = descriptors(agent_pid).len() - before_pod;
+    let baseline = descriptors(agent_pid);
+
+    let rolling = replace_rolling(&mut node, &mut pods, true).await;
+    assert!(
+        rolling.failed.is_empty(),
+        "failed connections:\n{}",
+        rolling.failed.join("\n")
+    );
     assert_one_agent_and_one_set_of_rules(&node, &pods).await;
     // The survivor holds what the first agent held, and the descriptors of
     // the pods added since, nothing more.
@@ -232,56 +324,93 @@ async fn a_killed_node_agent_is_replaced_with_refusals_meanwhile_never_hangs() {
     if !containerd_or_skip("a_killed_node_agent_is_replaced_with_refusals_meanwhile_never_hangs") {
         return;
     }
-    let mut node = Node::start(true, false).await;
-    let pod = node.containerd.run_pod("client", "default").await.unwrap();
-    node.assert_reaches_the_api_server(&pod, "the first pod").await;
-    let pod_netns = node.containerd.netns_of(&pod).await;
-    let from_node = load_from(&node, node_netns(&node));
-    let from_pod = load_from(&node, pod_netns);
-    tokio::time::sleep(Duration::from_secs(1)).await;
-
-    let mut restarts = Vec::new();
-    let mut pods = vec![pod];
-    for n in 0..REPLACEMENTS {
-        node.kill_agent();
-        restarts.push(from_node.began.elapsed());
-        node.start_agent();
-        node.topology.wait_node_ready().await;
-        // kubelet retries a pod whose ADD failed meanwhile; now it starts.
-        pods.push(
-            node.containerd
-                .run_pod(&format!("after-{n}"), "default")
-                .await
-                .unwrap_or_else(|status| panic!("RunPodSandbox after restart {n}: {status}")),
-        );
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    let (node_attempts, pod_attempts) = (from_node.finish(), from_pod.finish());
-    report("from the node", &node_attempts);
-    report("from a pod", &pod_attempts);
-    for attempts in [&node_attempts, &pod_attempts] {
-        for attempt in attempts.iter().filter(|a| a.outcome.is_err()) {
-            assert!(
-                attempt.took < Duration::from_secs(1),
-                "a connection while no agent runs is refused at once, never hangs: {attempt:?}"
-            );
-        }
-    }
-    // From the new process' start until captured connections work again,
-    // from the node and from the pod.
-    for (n, restart) in restarts.iter().enumerate() {
-        let recovered = |attempts: &[Attempt]| {
-            attempts
-                .iter()
-                .find(|a| a.started >= *restart && a.outcome.is_ok())
-                .map(|a| a.started + a.took - *restart)
-                .expect("connections work again")
-        };
+    let (mut node, mut pods) = node_with_a_pod(false).await;
+    let killed = replace_by_killing(&mut node, &mut pods).await;
+    // While no agent runs, a captured connection is refused at once (the
+    // rules redirect to a port nothing listens on): it never hangs.
+    assert!(
+        killed.slowest_failure < Duration::from_secs(1),
+        "the slowest failed connection took {:?}",
+        killed.slowest_failure
+    );
+    for (n, (node_recovery, pod_recovery)) in killed.recoveries.iter().enumerate() {
         eprintln!(
-            "restart {n}: captured connections work again {:?} (node) and {:?} (pod) after the new agent started",
-            recovered(&node_attempts),
-            recovered(&pod_attempts)
+            "restart {n}: captured connections work again {node_recovery:?} (node) and {pod_recovery:?} (pod) after the new agent started"
         );
     }
     assert_one_agent_and_one_set_of_rules(&node, &pods).await;
+}
+
+/// `hack/bench.sh --handover`: both scenarios three times each, from a
+/// release build, as one Markdown table (not a test: ignored unless asked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: hack/bench.sh --handover runs it"]
+async fn handover_benchmark() {
+    assert!(
+        containerd_or_skip("handover_benchmark"),
+        "the benchmark needs root and containerd"
+    );
+    const RUNS: usize = 3;
+    let (mut rolling, mut killed) = (Vec::new(), Vec::new());
+    for _ in 0..RUNS {
+        let (mut node, mut pods) = node_with_a_pod(false).await;
+        rolling.push(replace_rolling(&mut node, &mut pods, false).await);
+        let (mut node, mut pods) = node_with_a_pod(false).await;
+        killed.push(replace_by_killing(&mut node, &mut pods).await);
+    }
+    let ms = |d: Duration| format!("{:.0}", d.as_secs_f64() * 1000.0);
+    let median = |mut values: Vec<Duration>| {
+        values.sort();
+        values[values.len() / 2]
+    };
+    let row = |figure: &str, cells: Vec<String>| println!("| {figure} | {} |", cells.join(" | "));
+    println!(
+        "\n| node agent replaced {REPLACEMENTS} times, {} connections/s (TLS + request) from the node and a pod | {} |",
+        2 * RATE,
+        (1..=RUNS)
+            .map(|n| format!("run {n}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    println!("|---|{}", "---:|".repeat(RUNS));
+    row(
+        "rolling (maxSurge hand-over): connections attempted",
+        rolling.iter().map(|r| r.attempted.to_string()).collect(),
+    );
+    row(
+        "rolling: connections failed",
+        rolling.iter().map(|r| r.failed.len().to_string()).collect(),
+    );
+    row(
+        "SIGKILL + new agent: connections attempted",
+        killed.iter().map(|k| k.attempted.to_string()).collect(),
+    );
+    row(
+        "SIGKILL: connections refused meanwhile",
+        killed.iter().map(|k| k.failed.to_string()).collect(),
+    );
+    row(
+        "SIGKILL: slowest refusal, ms",
+        killed.iter().map(|k| ms(k.slowest_failure)).collect(),
+    );
+    row(
+        "SIGKILL: recovery from the new process' start, node, ms (median of 5; max)",
+        killed
+            .iter()
+            .map(|k| {
+                let all: Vec<Duration> = k.recoveries.iter().map(|r| r.0).collect();
+                format!("{} ({})", ms(median(all.clone())), ms(*all.iter().max().unwrap()))
+            })
+            .collect(),
+    );
+    row(
+        "SIGKILL: recovery, pod, ms (median of 5; max)",
+        killed
+            .iter()
+            .map(|k| {
+                let all: Vec<Duration> = k.recoveries.iter().map(|r| r.1).collect();
+                format!("{} ({})", ms(median(all.clone())), ms(*all.iter().max().unwrap()))
+            })
+            .collect(),
+    );
 }

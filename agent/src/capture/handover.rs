@@ -111,6 +111,10 @@ impl Ownership {
     /// Takes the lock next to `socket`, waiting a while for a predecessor
     /// that is letting it go.
     pub(super) fn take(socket: &Path) -> Result<Ownership, HandoverError> {
+        Ownership::take_within(socket, LOCK_WAIT)
+    }
+
+    fn take_within(socket: &Path, wait: Duration) -> Result<Ownership, HandoverError> {
         let path = lock_path(socket);
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| HandoverError::Socket {
@@ -127,7 +131,7 @@ impl Ownership {
                 path: path.display().to_string(),
                 source,
             })?;
-        let deadline = Instant::now() + LOCK_WAIT;
+        let deadline = Instant::now() + wait;
         loop {
             match file.try_lock() {
                 Ok(()) => return Ok(Ownership { _file: file }),
@@ -394,4 +398,139 @@ fn send_snapshot(channel: &Socket, snapshot: Snapshot) -> Result<(), HandoverErr
         &[],
     )
     .map_err(exchange)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::sync::Mutex;
+
+    struct Dir(PathBuf);
+    impl Dir {
+        fn new(tag: &str) -> Dir {
+            let dir = std::env::temp_dir().join(format!("konn-handover-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Dir(dir)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A role that serves one TCP listener and records what happened.
+    struct Fake {
+        listener: std::net::TcpListener,
+        events: Mutex<Vec<&'static str>>,
+    }
+
+    impl Handing for Fake {
+        fn pause(&self) -> Result<Snapshot, String> {
+            self.events.lock().unwrap().push("pause");
+            Ok(Snapshot {
+                sockets: vec![(Role::Capture, self.listener.as_fd().try_clone_to_owned().unwrap())],
+                pods: Vec::new(),
+                ruleset: "rules".to_owned(),
+            })
+        }
+        fn resume(&self) {
+            self.events.lock().unwrap().push("resume");
+        }
+        fn hand_over(&self) {
+            self.events.lock().unwrap().push("hand_over");
+        }
+    }
+
+    fn fake() -> Fake {
+        Fake {
+            listener: std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    #[test]
+    fn a_connection_queued_before_the_hand_over_is_accepted_by_the_successor() {
+        let dir = Dir::new("queued");
+        let path = dir.0.join("handover.sock");
+        let listener = bind(&path).unwrap();
+        let old = std::sync::Arc::new(fake());
+        // A client whose connection waits in the listener's queue: nobody
+        // accepted it before the hand-over.
+        let mut client = std::net::TcpStream::connect(old.listener.local_addr().unwrap()).unwrap();
+        client.write_all(b"queued").unwrap();
+        let serving = old.clone();
+        let server = std::thread::spawn(move || serve(&listener, &*serving));
+
+        let mut inheritance = Predecessor::find(&path)
+            .unwrap()
+            .expect("an agent answers")
+            .receive()
+            .unwrap();
+        assert_eq!(inheritance.ruleset, "rules");
+        let capture = inheritance.take(Role::Capture);
+        assert_eq!(capture.len(), 1);
+        inheritance.confirm().unwrap();
+        server.join().unwrap();
+        assert_eq!(*old.events.lock().unwrap(), ["pause", "hand_over"]);
+        // The old process closes its copy; the socket lives on in ours.
+        drop(old);
+        let taken = std::net::TcpListener::from(capture.into_iter().next().unwrap());
+        let (mut accepted, _) = taken.accept().unwrap();
+        let mut text = [0u8; 6];
+        accepted.read_exact(&mut text).unwrap();
+        assert_eq!(&text, b"queued");
+    }
+
+    #[test]
+    fn a_successor_that_goes_away_before_taking_over_leaves_the_predecessor_serving() {
+        let dir = Dir::new("gone");
+        let path = dir.0.join("handover.sock");
+        let listener = bind(&path).unwrap();
+        let old = std::sync::Arc::new(fake());
+        let serving = old.clone();
+        let server = std::thread::spawn(move || serve(&listener, &*serving));
+        // Receives everything, then dies without saying `taken`.
+        let inheritance = Predecessor::find(&path).unwrap().unwrap().receive().unwrap();
+        drop(inheritance);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while old.events.lock().unwrap().len() < 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(*old.events.lock().unwrap(), ["pause", "resume"]);
+        // And a later successor is served.
+        let mut inheritance = Predecessor::find(&path).unwrap().unwrap().receive().unwrap();
+        assert_eq!(inheritance.take(Role::Capture).len(), 1);
+        inheritance.confirm().unwrap();
+        server.join().unwrap();
+        assert_eq!(
+            *old.events.lock().unwrap(),
+            ["pause", "resume", "pause", "hand_over"]
+        );
+    }
+
+    #[test]
+    fn no_predecessor_answers_on_a_missing_or_stale_socket() {
+        let dir = Dir::new("stale");
+        let path = dir.0.join("handover.sock");
+        assert!(Predecessor::find(&path).unwrap().is_none());
+        // A socket file left by a killed agent: nobody listens on it.
+        drop(bind(&path).unwrap());
+        assert!(path.exists());
+        assert!(Predecessor::find(&path).unwrap().is_none());
+    }
+
+    #[test]
+    fn one_owner_at_a_time() {
+        let dir = Dir::new("owner");
+        let path = dir.0.join("handover.sock");
+        let first = Ownership::take_within(&path, Duration::ZERO).unwrap();
+        assert!(matches!(
+            Ownership::take_within(&path, Duration::from_millis(100)),
+            Err(HandoverError::Owned { .. })
+        ));
+        drop(first);
+        Ownership::take_within(&path, Duration::ZERO).unwrap();
+    }
 }
