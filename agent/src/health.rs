@@ -26,6 +26,15 @@ impl Endpoints for AgentEndpoints {
             "/readyz" => {
                 if self.drain.is_signaled() {
                     Reply::text(StatusCode::SERVICE_UNAVAILABLE, "not ready: draining\n")
+                } else if self
+                    .node_readiness
+                    .as_ref()
+                    .is_some_and(|node| node.successor_waiting.load(std::sync::atomic::Ordering::Relaxed))
+                {
+                    Reply::text(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "not ready: a newer agent is taking the node role over\n",
+                    )
                 } else if let Some(node) = self.node_readiness.as_ref().filter(|node| !node.is_ready()) {
                     Reply::text(
                         StatusCode::SERVICE_UNAVAILABLE,

@@ -414,3 +414,48 @@ async fn handover_benchmark() {
             .collect(),
     );
 }
+
+/// A new agent that cannot reach the server (a bad address, a bad
+/// certificate) never takes the role over: the old one carries on, and
+/// /readyz, which both pods are probed on, says "not ready" while the new
+/// one waits, so the rollout stops at the new pod instead of deleting the
+/// old. Once the new agent is gone, the old one is ready again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_agent_that_cannot_reach_the_server_never_takes_over() {
+    if !crate::support::netns::root_or_skip("a_new_agent_that_cannot_reach_the_server_never_takes_over") {
+        return;
+    }
+    let topology = build(false).await;
+    let _old = topology.start_node_agent(&[]);
+    topology.wait_node_ready().await;
+    // The same agent, but its node frontend port is one nobody serves.
+    let mut broken = topology.start_node_agent(&["--node-frontend-port=8099".to_owned()]);
+    let node = &topology.node;
+    wait_until(
+        Duration::from_secs(10),
+        "/readyz to say a newer agent is taking over",
+        || async {
+            let (status, body) = node.http_get(NODE_AGENT_HEALTH, "/readyz");
+            status == 503 && body.contains("a newer agent is taking the node role over")
+        },
+    )
+    .await;
+    // The old agent still captures.
+    let version = topology.version_through_vip();
+    assert!(version.status.success(), "{}", text(&version));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !broken.log_text().contains("took the node role over"),
+        "{}",
+        broken.log_text()
+    );
+    broken.kill();
+    wait_until(
+        Duration::from_secs(10),
+        "the old agent to be ready again",
+        || async { node.http_get(NODE_AGENT_HEALTH, "/readyz").0 == 200 },
+    )
+    .await;
+    let version = topology.version_through_vip();
+    assert!(version.status.success(), "{}", text(&version));
+}

@@ -300,6 +300,9 @@ pub(super) struct Snapshot {
 
 /// The node role as the hand-over server sees it.
 pub(super) trait Handing: Send + Sync {
+    /// A successor connected and waits to take over (`true`), or went away
+    /// without (`false`).
+    fn successor_waiting(&self, waiting: bool);
     /// Stops changing pods and accepting pod requests; what it serves.
     fn pause(&self) -> Result<Snapshot, String>;
     /// The successor did not take over: carry on as before.
@@ -323,7 +326,10 @@ pub(super) fn serve(listener: &Socket, role: &dyn Handing) {
                 continue;
             }
         };
-        match hand_over_on(&channel, role) {
+        role.successor_waiting(true);
+        let outcome = hand_over_on(&channel, role);
+        role.successor_waiting(false);
+        match outcome {
             Ok(()) => return,
             Err(error) => tracing::warn!(%error, "no hand-over; carrying on"),
         }
@@ -427,6 +433,8 @@ mod tests {
     }
 
     impl Handing for Fake {
+        fn successor_waiting(&self, _: bool) {}
+
         fn pause(&self) -> Result<Snapshot, String> {
             self.events.lock().unwrap().push("pause");
             Ok(Snapshot {

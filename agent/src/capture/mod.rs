@@ -102,6 +102,11 @@ pub struct NodeReadiness {
     tunnel_problem: std::sync::Mutex<String>,
     /// Set once a newer agent took the node role over.
     handed_over: tokio::sync::watch::Sender<bool>,
+    /// Set while a newer agent waits to take over. Both agents' pods are
+    /// probed on the one health listener, this agent's until then: /readyz
+    /// says "not ready" meanwhile, so that the new pod is not taken for
+    /// ready (and this one deleted) before the new agent holds the role.
+    pub successor_waiting: AtomicBool,
 }
 
 impl NodeReadiness {
@@ -162,9 +167,8 @@ const TUNNEL_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest wait between reconnection attempts of the node tunnel.
 const TUNNEL_RETRY_CAP: Duration = Duration::from_secs(3);
 
-/// How long an agent taking over waits for its own node tunnel before it
-/// takes over regardless: it could only reset what it takes until then.
-const TAKEOVER_TUNNEL_WAIT: Duration = Duration::from_secs(30);
+/// How often an agent waiting to take over says that it still waits.
+const TAKEOVER_WAIT_LOG: Duration = Duration::from_secs(30);
 
 /// What serves `/healthz`, `/readyz` and `/metrics` for the agent: the node
 /// role owns the listener, as it is handed over with the rest.
@@ -259,12 +263,17 @@ async fn take_over(
         .clone()
         .expect("a predecessor was found on it");
     tracing::info!(socket = %handover_socket.display(), "another node agent runs: taking its role over once the node tunnel answers");
-    let deadline = tokio::time::Instant::now() + TAKEOVER_TUNNEL_WAIT;
-    while !readiness.tunnel_connected.load(Ordering::Relaxed) && tokio::time::Instant::now() < deadline {
+    // Not before its own tunnel answers: it could only reset what it took.
+    // A new agent that cannot reach the server (a bad certificate, a wrong
+    // address) so never takes over, and the rollout stops at its pod, which
+    // stays unready, while the old agent carries on.
+    let mut waited = tokio::time::Instant::now();
+    while !readiness.tunnel_connected.load(Ordering::Relaxed) {
+        if waited.elapsed() >= TAKEOVER_WAIT_LOG {
+            tracing::warn!(problem = %readiness.problem(), "not taking the node role over until the node tunnel answers");
+            waited = tokio::time::Instant::now();
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    if !readiness.tunnel_connected.load(Ordering::Relaxed) {
-        tracing::warn!(problem = %readiness.problem(), "the node tunnel does not answer; taking over all the same");
     }
     let mut inheritance = tokio::task::spawn_blocking(move || predecessor.receive())
         .await
@@ -589,6 +598,10 @@ impl NodeRole {
 }
 
 impl handover::Handing for NodeRole {
+    fn successor_waiting(&self, waiting: bool) {
+        self.readiness.successor_waiting.store(waiting, Ordering::Relaxed);
+    }
+
     fn pause(&self) -> Result<handover::Snapshot, String> {
         if let (Some(cni), Some(pods)) = (&self.cni, &self.pods) {
             // New pod requests wait in the CNI socket's queue for the

@@ -31,6 +31,8 @@ pub enum PodError {
     Setup { netns: String, source: std::io::Error },
     #[error("state directory {dir}: {source}")]
     State { dir: String, source: std::io::Error },
+    #[error("this node agent handed its pods to a newer agent; try again")]
+    HandedOver,
 }
 
 /// What is persisted per pod (and handed to a successor).
@@ -115,6 +117,8 @@ pub(super) struct Pods {
     /// Held while a pod is being captured, so an ADD and an enrolment of
     /// the same namespace never both open a listener in it.
     capturing: Arc<tokio::sync::Mutex<()>>,
+    /// Set once a successor took the pods over.
+    handed_over: std::sync::atomic::AtomicBool,
 }
 
 fn validate(
@@ -171,6 +175,7 @@ impl Pods {
             context,
             pods: Mutex::new(HashMap::new()),
             capturing: Arc::new(tokio::sync::Mutex::new(())),
+            handed_over: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -189,6 +194,11 @@ impl Pods {
     /// without (an enrolment), it is left as it is. Whether it captured.
     async fn capture(&self, pod: &Pod, take_over: bool) -> Result<bool, PodError> {
         let _capturing = self.capturing.lock().await;
+        // A request that waited through a hand-over is the successor's: it
+        // fails here, and the runtime's retry reaches the successor.
+        if self.handed_over.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(PodError::HandedOver);
+        }
         validate(
             &pod.netns,
             &pod.container_id,
@@ -324,8 +334,10 @@ impl Pods {
         }
     }
 
-    /// Stops the pods' listeners (a successor accepts on them now).
+    /// Stops the pods' listeners (a successor accepts on them now), and
+    /// refuses every pod change from now on.
     pub(super) fn stop_serving(&self) {
+        self.handed_over.store(true, std::sync::atomic::Ordering::Relaxed);
         for pod in self.pods.lock().expect("pods lock").values() {
             for listener in &pod.listeners {
                 listener.stop();
