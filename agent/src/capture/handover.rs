@@ -348,31 +348,14 @@ fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverErro
     match hello {
         (Packet::Hello { version: VERSION }, _) => {}
         (Packet::Hello { version }, _) => {
-            let reason = format!("this agent speaks hand-over version {VERSION}, not {version}");
-            let _ = send(
+            return Err(refuse(
                 channel,
-                &Packet::Refused {
-                    reason: reason.clone(),
-                },
-                &[],
-            );
-            return Err(exchange(reason));
+                format!("this agent speaks hand-over version {VERSION}, not {version}"),
+            ));
         }
         (other, _) => return Err(exchange(format!("expected hello, got {other:?}"))),
     }
-    let snapshot = match role.pause() {
-        Ok(snapshot) => snapshot,
-        Err(reason) => {
-            let _ = send(
-                channel,
-                &Packet::Refused {
-                    reason: reason.clone(),
-                },
-                &[],
-            );
-            return Err(exchange(reason));
-        }
-    };
+    let snapshot = role.pause().map_err(|reason| refuse(channel, reason))?;
     let sent = send_snapshot(channel, snapshot).and_then(|()| match receive(channel)? {
         (Packet::Taken, _) => Ok(()),
         (other, _) => Err(exchange(format!("expected taken, got {other:?}"))),
@@ -386,6 +369,18 @@ fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverErro
     // is gone by now, it has the sockets and the lock is free all the same.
     let _ = send(channel, &Packet::Released, &[]);
     Ok(())
+}
+
+/// Tells the successor there is no hand-over, and why; the error to log.
+fn refuse(channel: &Socket, reason: String) -> HandoverError {
+    let _ = send(
+        channel,
+        &Packet::Refused {
+            reason: reason.clone(),
+        },
+        &[],
+    );
+    exchange(reason)
 }
 
 fn send_snapshot(channel: &Socket, snapshot: Snapshot) -> Result<(), HandoverError> {
