@@ -40,6 +40,12 @@ pub enum Commands {
     Scale(scale::ScaleArgs),
     /// Runs many proxy-agents in one process (started by `scale`).
     Fleet(scale::FleetArgs),
+    /// A plain relay (started by `run`; prints its port).
+    Relay {
+        /// The relay after this one; without, the target the client names.
+        #[arg(long)]
+        next: Option<std::net::SocketAddr>,
+    },
 }
 
 /// Where the binaries, certificates and scratch files are, for every run.
@@ -114,6 +120,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         Commands::Run(args) => runtime.block_on(run(args)),
         Commands::Scale(args) => runtime.block_on(scale::scale(args)),
         Commands::Fleet(args) => runtime.block_on(scale::fleet(args)),
+        Commands::Relay { next } => runtime.block_on(route::relay(next)),
     }
 }
 
@@ -123,37 +130,41 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (_targets_proc, targets) = stack::start_targets(&layout)?;
     // Memory first, each on a server and agent of its own that have carried
     // nothing else: resident memory depends on what a process did before.
-    let mut memory = Vec::new();
+    let mut memory = std::collections::HashMap::new();
     if args.wants("memory") {
-        for mode in [Mode::Grpc, Mode::HttpConnect] {
+        for (mode, index) in [(Mode::Grpc, 0), (Mode::Grpc, 1), (Mode::HttpConnect, 0)] {
             let stack = Stack::start(&layout, mode).await?;
-            let route = Route::for_stack(&stack).await?;
+            let route = Route::for_stack(&stack).await?.remove(index);
             eprintln!("== {}: {} idle connections", route.name(), args.idle);
             let per_connection = scenarios::memory_per_connection(&stack, &route, &targets, args.idle)
                 .await
                 .with_context(|| format!("measuring memory of {}", route.name()))?;
-            memory.push(per_connection);
+            memory.insert(route.name(), per_connection);
         }
     }
+    let (_relays, first_relay) = stack::start_relays(&layout)?;
     let grpc = Stack::start(&layout, Mode::Grpc).await?;
     let connect = Stack::start(&layout, Mode::HttpConnect).await?;
-    let routes = [
-        (Route::Direct, None),
-        (Route::for_stack(&grpc).await?, Some(&grpc)),
-        (Route::for_stack(&connect).await?, Some(&connect)),
+    let mut routes = vec![
+        (Route::Direct, false),
+        (Route::Relays { first: first_relay }, false),
     ];
+    for route in Route::for_stack(&grpc).await? {
+        routes.push((route, true));
+    }
+    for route in Route::for_stack(&connect).await? {
+        routes.push((route, true));
+    }
     let mut table = Table::default();
-    for (index, (route, stack)) in routes.iter().enumerate() {
+    for (route, tunneled) in &routes {
         eprintln!("== {}", route.name());
-        let mut figures = measure(&args, route, stack.is_some(), &targets)
+        let mut figures = measure(&args, route, *tunneled, &targets)
             .await
             .with_context(|| format!("measuring {}", route.name()))?;
         measure_with_go(&args, route, &targets, &mut figures)
             .await
             .with_context(|| format!("measuring {} with the Go client", route.name()))?;
-        if index > 0 {
-            figures.memory_per_connection = memory.get(index - 1).copied();
-        }
+        figures.memory_per_connection = memory.get(route.name()).copied();
         table.add(route.name(), figures);
     }
     println!("{}", table.render(&args));
@@ -222,7 +233,7 @@ async fn measure_with_go(
     let proxy_uds = match route {
         Route::Direct => None,
         Route::HttpConnect { uds } => Some(uds.as_path()),
-        Route::Grpc { .. } => return Ok(()),
+        Route::Relays { .. } | Route::Grpc { .. } | Route::GrpcShared { .. } => return Ok(()),
     };
     let go_to = |target| go_client::GoRun {
         client,

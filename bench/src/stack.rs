@@ -1,6 +1,7 @@
 //! The processes under test: the target process, and one proxy-server with
 //! one proxy-agent per frontend mode, started from the built binaries.
 
+use std::net::SocketAddr;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -82,22 +83,45 @@ pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]
 /// Starts this binary's `targets` subcommand and reads the ports it bound
 /// from the one line it prints.
 pub fn start_targets(layout: &Layout) -> anyhow::Result<(Proc, Targets)> {
+    let (proc, line) = start_helper(layout, "targets", &["targets".to_owned()])?;
+    let targets = Targets::from_json(line.trim()).context("the target process did not report its ports")?;
+    Ok((proc, targets))
+}
+
+/// Starts `konnectivity-bench ARGS` as a process of its own, and reads the
+/// one line it prints once it serves.
+fn start_helper(layout: &Layout, name: &str, args: &[String]) -> anyhow::Result<(Proc, String)> {
     let mut child = Command::new(std::env::current_exe()?)
-        .arg("targets")
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(layout.work.join("targets.log"))?)
+        .stderr(std::fs::File::create(layout.work.join(format!("{name}.log")))?)
         .spawn()
-        .context("starting the target process")?;
-    let stdout = child.stdout.take().context("targets stdout")?;
+        .with_context(|| format!("starting the {name} process"))?;
+    let stdout = child.stdout.take().context("helper stdout")?;
     let proc = Proc {
         child,
-        name: "targets".to_owned(),
+        name: name.to_owned(),
     };
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
-    let targets = Targets::from_json(line.trim()).context("the target process did not report its ports")?;
-    Ok((proc, targets))
+    Ok((proc, line))
+}
+
+/// Two relay processes in a row (see `route::relay`); the first one's address.
+pub fn start_relays(layout: &Layout) -> anyhow::Result<(Vec<Proc>, SocketAddr)> {
+    let port = |line: String| -> anyhow::Result<SocketAddr> {
+        let port: u16 = line.trim().parse().context("a relay did not report its port")?;
+        Ok(SocketAddr::from(([127, 0, 0, 1], port)))
+    };
+    let (second, line) = start_helper(layout, "relay-2", &["relay".to_owned()])?;
+    let second_addr = port(line)?;
+    let (first, line) = start_helper(
+        layout,
+        "relay-1",
+        &["relay".to_owned(), format!("--next={second_addr}")],
+    )?;
+    Ok((vec![first, second], port(line)?))
 }
 
 /// A port free at the time of asking.
