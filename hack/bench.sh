@@ -63,5 +63,15 @@ if [[ "${1:-}" == "--scale" ]]; then
 fi
 # Standard library only: no module download, whatever the Go version.
 GO111MODULE=off go build -o "$work/connect-client" bench/go/connect-client.go
+go_clients=(--go-client "$work/connect-client")
+# The same client with its gRPC route, when Debian's grpc-go is installed
+# (golang-google-grpc-dev; GOPATH mode, nothing downloaded).
+if [[ -d /usr/share/gocode/src/google.golang.org/grpc ]]; then
+  (cd bench/go && GO111MODULE=off GOPATH=/usr/share/gocode GOFLAGS= GOCACHE="$work/go-cache" \
+    go build -tags grpc -o "$work/grpc-client" connect-client.go grpc_tunnel.go)
+  go_clients+=(--go-grpc-client "$work/grpc-client")
+else
+  echo "hack/bench.sh: golang-google-grpc-dev not installed: no Go gRPC figures" >&2
+fi
 target/release/konnectivity-bench run --bin-dir target/release --certs "$work/certs" --work "$work" \
-  --go-client "$work/connect-client" "$@"
+  "${go_clients[@]}" "$@"

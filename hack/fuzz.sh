@@ -1,29 +1,59 @@
 #!/usr/bin/env bash
-# Runs every fuzz target for SECONDS (default 60) each, two at a time, from
-# the committed seeds (fuzz/corpus/TARGET) plus what earlier runs found
-# (target/fuzz-corpus/TARGET, not committed). Needs a nightly toolchain and
-# cargo-fuzz; without them it says so and exits 0 (hack/test.sh calls it).
-# A crash leaves its input in fuzz/artifacts/TARGET/ and fails the run.
-# Prints, per target: executions, new corpus inputs, and the outcome.
+# Runs every fuzz target for SECONDS (default 60) each, two at a time, with
+# AddressSanitizer, from the committed seeds (fuzz/corpus/TARGET) plus what
+# earlier runs found (target/fuzz-corpus/TARGET, not committed), and prints
+# per target: executions, corpus size and the outcome. hack/test.sh calls
+# it in every CI run.
+#
+#   bash hack/fuzz.sh [SECONDS]          fuzz
+#   bash hack/fuzz.sh --minimise         merge what runs found into the committed
+#                                        corpora, minimised (cargo fuzz cmin)
+#
+# cargo-fuzz is installed from crates.io when missing (into ~/.cargo/bin).
+# A nightly toolchain is used when there is one; otherwise the pinned stable
+# one builds the targets with RUSTC_BOOTSTRAP=1 (sanitizer flags are
+# unstable options; checked on 1.95.0). A crash fails the run: its input is
+# kept in fuzz/artifacts/TARGET/ and printed (base64) in the log, so a CI
+# log alone reproduces it: `base64 -d > crash; cargo fuzz run TARGET crash`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-seconds=${1:-60}
 
-if ! cargo +nightly --version >/dev/null 2>&1 || ! cargo fuzz --version >/dev/null 2>&1; then
-  echo "== fuzzing skipped: needs a nightly toolchain and cargo-fuzz (cargo install cargo-fuzz)"
+targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream uds_authority)
+
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "== installing cargo-fuzz (crates.io)"
+  cargo install cargo-fuzz --locked --quiet
+fi
+if cargo +nightly --version >/dev/null 2>&1; then
+  fuzz() { cargo +nightly fuzz "$@"; }
+  toolchain=nightly
+else
+  fuzz() { RUSTC_BOOTSTRAP=1 cargo fuzz "$@"; }
+  toolchain="stable $(rustc --version | cut -d' ' -f2) with RUSTC_BOOTSTRAP=1"
+fi
+
+if [[ ${1:-} == --minimise ]]; then
+  for target in "${targets[@]}"; do
+    found=target/fuzz-corpus/$target
+    mkdir -p "$found"
+    cp -n "$found"/* "fuzz/corpus/$target/" 2>/dev/null || true
+    before=$(find "fuzz/corpus/$target" -type f | wc -l)
+    (cd fuzz && fuzz cmin -O "$target" "corpus/$target" >/dev/null 2>&1)
+    printf '%-18s corpus %s -> %s inputs\n' "$target" "$before" "$(find "fuzz/corpus/$target" -type f | wc -l)"
+  done
   exit 0
 fi
 
-targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream uds_authority)
-echo "== building fuzz targets (nightly, libFuzzer)"
-(cd fuzz && cargo +nightly fuzz build -O >/dev/null)
+seconds=${1:-60}
+echo "== building fuzz targets (libFuzzer, AddressSanitizer; $toolchain)"
+(cd fuzz && fuzz build -O >/dev/null)
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
 run() { # target
   local target=$1 found=target/fuzz-corpus/$1
   mkdir -p "$found"
-  (cd fuzz && cargo +nightly fuzz run -O "$target" "../$found" "corpus/$target" -- \
+  (cd fuzz && fuzz run -O "$target" "../$found" "corpus/$target" -- \
     -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1) >"$logs/$target.log" 2>&1
 }
 
@@ -39,9 +69,15 @@ for ((i = 0; i < ${#targets[@]}; i += 2)); do
     if wait "${pids[j]}"; then outcome=ok; else outcome=CRASH; failed=1; fi
     execs=$(awk '/stat::number_of_executed_units/ { print $2 }' "$logs/$target.log")
     corpus=$(find "target/fuzz-corpus/$target" -type f | wc -l)
-    printf '%-18s %8s runs in %ss, corpus %s, %s\n' "$target" "${execs:-?}" "$seconds" "$corpus" "$outcome"
+    printf '%-18s %10s runs in %ss, corpus %s, %s\n' "$target" "${execs:-?}" "$seconds" "$corpus" "$outcome"
     if [[ $outcome != ok ]]; then
       grep -E "panicked|ERROR|SUMMARY|Test unit written" "$logs/$target.log" | head -20 >&2
+      for input in fuzz/artifacts/"$target"/*; do
+        [[ -f $input ]] || continue
+        echo "-- $input (base64):" >&2
+        base64 -w 0 "$input" >&2
+        echo >&2
+      done
     fi
   done
 done

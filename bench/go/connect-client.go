@@ -35,10 +35,19 @@ var (
 // writeSize is what a busy client hands the kernel per write in bulk transfers.
 const writeSize = 256 * 1024
 
-// open connects to the target, through the tunnel when -proxy-uds is set,
-// and returns the connection and what reads from it: the reader holds any
-// bytes that arrived with the CONNECT answer (a target that speaks first).
+// dialGRPC opens a connection through the gRPC frontend when the client is
+// built with grpc_tunnel.go (`-tags grpc`, Debian's grpc-go) and -grpc-uds
+// is set; nil, nil otherwise.
+var dialGRPC = func() (net.Conn, error) { return nil, nil }
+
+// open connects to the target, through the tunnel when -proxy-uds (or
+// -grpc-uds) is set, and returns the connection and what reads from it:
+// the reader holds any bytes that arrived with the CONNECT answer (a target
+// that speaks first).
 func open() (net.Conn, io.Reader, error) {
+	if conn, err := dialGRPC(); conn != nil || err != nil {
+		return conn, conn, err
+	}
 	if *proxyUDS == "" {
 		conn, err := net.Dial("tcp", *target)
 		return conn, conn, err

@@ -1,7 +1,9 @@
 //! The second, independent client: `bench/go/connect-client.go`, built by
 //! `hack/bench.sh` with Go's standard library only. It talks to the CONNECT
 //! frontend the way Go programs do (kube-apiserver among them), so the
-//! round-trip and dial figures do not rest on our own client alone.
+//! round-trip and dial figures do not rest on our own client alone. Built
+//! again with `bench/go/grpc_tunnel.go` and Debian's grpc-go, it dials the
+//! gRPC frontend as kube-apiserver does (a ClientConn per tunnel).
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -9,11 +11,12 @@ use std::path::Path;
 use anyhow::{Context, bail};
 use serde_json::Value;
 
-/// One measurement of the Go client, on the direct route (`proxy_uds` is
-/// `None`) or through the CONNECT frontend's Unix socket.
+/// One measurement of the Go client, on the direct route (`via` is `None`)
+/// or through a frontend's Unix socket: `-proxy-uds` (CONNECT) or
+/// `-grpc-uds` (gRPC, the client built with `-tags grpc`).
 pub struct GoRun<'a> {
     pub client: &'a Path,
-    pub proxy_uds: Option<&'a Path>,
+    pub via: Option<(&'static str, &'a Path)>,
     pub target: SocketAddr,
 }
 
@@ -31,8 +34,8 @@ impl GoRun<'_> {
             .arg(format!("-mode={mode}"))
             .arg(format!("-target={}", self.target))
             .args(extra);
-        if let Some(uds) = self.proxy_uds {
-            command.arg(format!("-proxy-uds={}", uds.display()));
+        if let Some((flag, uds)) = self.via {
+            command.arg(format!("-{flag}={}", uds.display()));
         }
         let output = command
             .output()

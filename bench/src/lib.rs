@@ -95,6 +95,10 @@ pub struct RunArgs {
     /// hack/bench.sh): its figures are reported beside ours.
     #[arg(long)]
     pub go_client: Option<PathBuf>,
+    /// The same client built with its gRPC route (bench/go/grpc_tunnel.go,
+    /// Debian's grpc-go), for the gRPC frontend.
+    #[arg(long)]
+    pub go_grpc_client: Option<PathBuf>,
     /// Connections of the Go client's one-at-a-time dial measurement.
     #[arg(long, default_value_t = 2000)]
     pub go_dials: usize,
@@ -217,29 +221,27 @@ async fn measure(
     Ok(figures)
 }
 
-/// The Go client's figures, on the routes it speaks (direct and CONNECT).
+/// The Go client's figures, on the routes it speaks (direct, CONNECT, and
+/// gRPC as kube-apiserver dials it).
 async fn measure_with_go(
     args: &RunArgs,
     route: &Route,
     targets: &Targets,
     figures: &mut Figures,
 ) -> anyhow::Result<()> {
-    let Some(client) = &args.go_client else {
-        return Ok(());
-    };
     if !args.wants("go") {
         return Ok(());
     }
-    let proxy_uds = match route {
-        Route::Direct => None,
-        Route::HttpConnect { uds } => Some(uds.as_path()),
-        Route::Relays { .. } | Route::Grpc { .. } | Route::GrpcShared { .. } => return Ok(()),
+    let (client, via) = match route {
+        Route::Direct => (&args.go_client, None),
+        Route::HttpConnect { uds } => (&args.go_client, Some(("proxy-uds", uds.as_path()))),
+        Route::Grpc { uds } => (&args.go_grpc_client, Some(("grpc-uds", uds.as_path()))),
+        Route::Relays { .. } | Route::GrpcShared { .. } => return Ok(()),
     };
-    let go_to = |target| go_client::GoRun {
-        client,
-        proxy_uds,
-        target,
+    let Some(client) = client else {
+        return Ok(());
     };
+    let go_to = |target| go_client::GoRun { client, via, target };
     let bytes = vec![format!("-bytes={}", args.bytes)];
     for run in 0..args.runs {
         eprintln!("   Go client, run {} of {}", run + 1, args.runs);

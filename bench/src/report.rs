@@ -19,7 +19,7 @@ pub struct Figures {
     pub dial_p50: Vec<Duration>,
     pub memory_per_connection: Option<f64>,
     pub beside_stalled: Option<StallResult>,
-    /// The Go client's figures (direct and CONNECT routes only).
+    /// The Go client's figures (direct, CONNECT and single-use gRPC routes).
     pub go: GoFigures,
 }
 
