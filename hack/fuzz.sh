@@ -47,6 +47,13 @@ fi
 seconds=${1:-60}
 echo "== building fuzz targets (libFuzzer, AddressSanitizer; $toolchain)"
 (cd fuzz && fuzz build -O >/dev/null)
+# cargo-fuzz has no --locked: a lockfile the build had to change is an error
+# here, so the checkout stays as it was and every run builds the same.
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1 && ! git diff --quiet -- fuzz/Cargo.lock; then
+  echo "hack/fuzz.sh: fuzz/Cargo.lock was out of date (the build changed it): commit the updated file" >&2
+  git diff --stat -- fuzz/Cargo.lock >&2
+  exit 1
+fi
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
