@@ -33,13 +33,25 @@ else
 fi
 
 if [[ ${1:-} == --minimise ]]; then
+  # The committed seeds (seed-*, named for what they are) stay as they are;
+  # of what runs found, the inputs a minimised corpus keeps beside them are
+  # added, up to 1 KiB each (large inputs cost every `cargo test` that
+  # replays the corpora, and add little coverage a small one would not).
   for target in "${targets[@]}"; do
-    found=target/fuzz-corpus/$target
+    found=target/fuzz-corpus/$target merged=$(mktemp -d)
     mkdir -p "$found"
-    cp -n "$found"/* "fuzz/corpus/$target/" 2>/dev/null || true
-    before=$(find "fuzz/corpus/$target" -type f | wc -l)
-    (cd fuzz && fuzz cmin -O "$target" "corpus/$target" >/dev/null 2>&1)
-    printf '%-18s corpus %s -> %s inputs\n' "$target" "$before" "$(find "fuzz/corpus/$target" -type f | wc -l)"
+    cp "fuzz/corpus/$target"/* "$found"/* "$merged"/ 2>/dev/null || true
+    (cd fuzz && fuzz cmin -O "$target" "$merged" >/dev/null 2>&1)
+    added=0
+    for input in "$merged"/*; do
+      name=$(basename "$input")
+      if [[ ! -e fuzz/corpus/$target/$name && $(stat -c %s "$input") -le 1024 ]]; then
+        cp "$input" "fuzz/corpus/$target/$name"
+        added=$((added + 1))
+      fi
+    done
+    rm -rf "$merged"
+    printf '%-18s %s inputs added, %s in the corpus\n' "$target" "$added" "$(find "fuzz/corpus/$target" -type f | wc -l)"
   done
   exit 0
 fi
