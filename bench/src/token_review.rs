@@ -40,7 +40,8 @@ impl TokenReviewer {
             cert: PemFile::new("bench", certs.join("server.crt")),
             key: PemFile::new("bench", certs.join("server.key")),
         };
-        let tls = konnectivity_plumbing::tls::server_config(&identity, None, &[b"http/1.1"], false)?;
+        let tls =
+            konnectivity_plumbing::tls::server_config(&identity, None, &[b"http/1.1"], &Default::default())?;
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let port = listener.local_addr()?.port();

@@ -251,18 +251,98 @@ impl WarnedPeers {
 
 /// Server-side TLS. With `client_ca`, every client must present a certificate
 /// signed by it (mTLS); without, no client certificate is asked for.
+/// What a TLS listener offers: `--tls-min-version` and `--cipher-suites`.
+#[derive(Clone, Debug, Default)]
+pub struct TlsOffer {
+    /// TLS 1.3 alone (`--tls-min-version=VersionTLS13`).
+    pub tls13_only: bool,
+    /// The TLS 1.2 suites offered; empty: every one this build has. TLS
+    /// 1.3's suites are always offered, as Go offers them whatever its
+    /// `CipherSuites` say.
+    pub tls12_suites: Vec<rustls::SupportedCipherSuite>,
+}
+
+/// The cipher suites this build has, by the names Go's crypto/tls (and so
+/// upstream's `--cipher-suites`) gives them. Go also has CBC and RSA
+/// key-exchange suites and 3DES; rustls has none of them, on purpose.
+pub const GO_CIPHER_SUITES: &[(&str, rustls::SupportedCipherSuite)] = {
+    use rustls::crypto::ring::cipher_suite::*;
+    &[
+        ("TLS_AES_128_GCM_SHA256", TLS13_AES_128_GCM_SHA256),
+        ("TLS_AES_256_GCM_SHA384", TLS13_AES_256_GCM_SHA384),
+        ("TLS_CHACHA20_POLY1305_SHA256", TLS13_CHACHA20_POLY1305_SHA256),
+        (
+            "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256",
+            TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        ),
+        (
+            "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384",
+            TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+        ),
+        (
+            "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256",
+            TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+        (
+            "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305",
+            TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+            TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384",
+            TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256",
+            TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+        (
+            "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305",
+            TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256,
+        ),
+    ]
+};
+
+/// The suites named in Go's names, or what is wrong: a name this build
+/// does not have, listed beside every name it has.
+pub fn cipher_suites_by_go_name(names: &[String]) -> Result<Vec<rustls::SupportedCipherSuite>, String> {
+    let mut suites = Vec::new();
+    for name in names.iter().map(|n| n.trim()).filter(|n| !n.is_empty()) {
+        let Some((_, suite)) = GO_CIPHER_SUITES.iter().find(|(go, _)| *go == name) else {
+            let known: Vec<&str> = GO_CIPHER_SUITES.iter().map(|(go, _)| *go).collect();
+            return Err(format!(
+                "{name} is not available (no CBC, RSA key exchange or 3DES suites); available: {}",
+                known.join(", ")
+            ));
+        };
+        if !suites.contains(suite) {
+            suites.push(*suite);
+        }
+    }
+    Ok(suites)
+}
+
 pub fn server_config(
     identity: &Identity,
     client_ca: Option<&PemFile>,
     alpn: &[&[u8]],
-    tls13_only: bool,
+    offer: &TlsOffer,
 ) -> Result<ServerConfig, TlsError> {
-    let versions: &[&rustls::SupportedProtocolVersion] = if tls13_only {
+    let versions: &[&rustls::SupportedProtocolVersion] = if offer.tls13_only {
         &[&rustls::version::TLS13]
     } else {
         rustls::DEFAULT_VERSIONS
     };
-    let builder = ServerConfig::builder_with_provider(provider())
+    let mut offered = rustls::crypto::ring::default_provider();
+    if !offer.tls12_suites.is_empty() {
+        offered
+            .cipher_suites
+            .retain(|suite| suite.version() == &rustls::version::TLS13 || offer.tls12_suites.contains(suite));
+    }
+    let builder = ServerConfig::builder_with_provider(Arc::new(offered))
         .with_protocol_versions(versions)
         .expect("ring supports TLS 1.2 and 1.3");
     let builder = match client_ca {

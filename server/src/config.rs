@@ -13,7 +13,7 @@ use konnectivity_plumbing::flags::{
 };
 use konnectivity_plumbing::klog::KlogArgs;
 use konnectivity_plumbing::kube::KubeEndpoint;
-use konnectivity_plumbing::tls::{Identity, PemFile};
+use konnectivity_plumbing::tls::{self, Identity, PemFile, TlsOffer};
 
 use crate::backend::strategy::{Strategy, parse_strategies};
 pub use crate::leases::LeaseSettings;
@@ -146,10 +146,13 @@ pub struct Args {
     /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): JSON is sent.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
-    /// TLS cipher suites, Go names, comma-separated. Not applied in this version (accepted for upstream compatibility): rustls' safe defaults are used.
+    /// TLS 1.2 cipher suites every TLS listener offers, Go's names, comma-separated (as Go,
+    /// TLS 1.3's suites are always offered): TLS_ECDHE_{ECDSA,RSA}_WITH_AES_{128,256}_GCM_* and
+    /// _CHACHA20_POLY1305_SHA256; CBC, RSA key exchange and 3DES suites are refused. Empty: all.
     #[arg(long, value_parser = parse_list, default_value = "")]
     pub cipher_suites: GoList,
-    /// Minimum TLS version: VersionTLS12 or VersionTLS13 (10 and 11 are not offered).
+    /// Minimum TLS version of every TLS listener: VersionTLS12 or VersionTLS13 (TLS 1.0 and 1.1
+    /// are refused: no listener offers them).
     #[arg(long, default_value = "")]
     pub tls_min_version: String,
     /// Publish a Lease for this server (coordination.k8s.io/v1, in --lease-namespace,
@@ -254,7 +257,8 @@ pub struct Config {
     pub frontend_keepalive: Option<Duration>,
     /// `--graceful-shutdown-timeout`.
     pub graceful_shutdown_timeout: Duration,
-    pub tls_versions: TlsVersions,
+    /// `--tls-min-version` and `--cipher-suites`, for every TLS listener.
+    pub tls_offer: TlsOffer,
     pub node_frontend: Option<NodeFrontend>,
     /// Agent ids that are control-plane agents (bound to their certificates).
     pub control_plane_agent_ids: Vec<String>,
@@ -272,13 +276,6 @@ pub struct Config {
 pub struct AgentTokenAuth {
     pub allowed: AllowedAgents,
     pub kube: KubeEndpoint,
-}
-
-/// Which TLS versions the listeners offer (`--tls-min-version`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TlsVersions {
-    Tls12AndUp,
-    Tls13Only,
 }
 
 /// Errors name the flag at fault; main exits with status 2 on them.
@@ -410,7 +407,7 @@ impl Config {
         } else {
             None
         };
-        let tls_versions = tls_versions(&args.tls_min_version)?;
+        let tls_offer = tls_offer(&args.tls_min_version, &args.cipher_suites.0)?;
         let node_frontend = node_frontend(args)?;
         let control_plane_agent_ids = args.control_plane_agent_ids.0.clone();
         if !control_plane_agent_ids.is_empty() && args.cluster_ca_cert.is_empty() {
@@ -447,7 +444,7 @@ impl Config {
             frontend_keepalive: (!args.frontend_keepalive_time.is_zero())
                 .then_some(args.frontend_keepalive_time),
             graceful_shutdown_timeout: args.graceful_shutdown_timeout,
-            tls_versions,
+            tls_offer,
             node_frontend,
             control_plane_agent_ids,
             agent_auth,
@@ -539,19 +536,42 @@ fn node_frontend(args: &Args) -> Result<Option<NodeFrontend>, ConfigError> {
     }))
 }
 
-/// Upstream's `--tls-min-version` names mapped to what rustls offers. TLS 1.0
-/// and 1.1 are not available; asking for them gets TLS 1.2 and a warning.
-fn tls_versions(text: &str) -> Result<TlsVersions, ConfigError> {
-    match text {
-        "" | "VersionTLS12" => Ok(TlsVersions::Tls12AndUp),
-        "VersionTLS13" => Ok(TlsVersions::Tls13Only),
-        // Reported as inert by `Args::inert_settings`.
-        "VersionTLS10" | "VersionTLS11" => Ok(TlsVersions::Tls12AndUp),
-        other => Err(invalid(
-            "tls-min-version",
-            format!("{other:?} is not one of VersionTLS10, VersionTLS11, VersionTLS12, VersionTLS13"),
-        )),
+/// What every TLS listener offers: upstream's `--tls-min-version` names
+/// mapped to what rustls has (TLS 1.0 and 1.1 are refused: it has neither),
+/// and `--cipher-suites` by Go's names.
+fn tls_offer(min_version: &str, cipher_suites: &[String]) -> Result<TlsOffer, ConfigError> {
+    let tls13_only = match min_version {
+        "" | "VersionTLS12" => false,
+        "VersionTLS13" => true,
+        "VersionTLS10" | "VersionTLS11" => {
+            return Err(invalid(
+                "tls-min-version",
+                format!(
+                    "{min_version} is not offered (TLS 1.0 and 1.1 are insecure and rustls has neither); use VersionTLS12 or VersionTLS13"
+                ),
+            ));
+        }
+        other => {
+            return Err(invalid(
+                "tls-min-version",
+                format!("{other:?} is not one of VersionTLS12, VersionTLS13"),
+            ));
+        }
+    };
+    let tls12_suites =
+        tls::cipher_suites_by_go_name(cipher_suites).map_err(|problem| invalid("cipher-suites", problem))?;
+    if !tls13_only
+        && !tls12_suites.is_empty()
+        && tls12_suites
+            .iter()
+            .all(|suite| suite.version() == &rustls::version::TLS13)
+    {
+        tracing::warn!("--cipher-suites names TLS 1.3 suites only: TLS 1.2 clients cannot connect");
     }
+    Ok(TlsOffer {
+        tls13_only,
+        tls12_suites,
+    })
 }
 
 impl Args {
@@ -576,11 +596,6 @@ impl Args {
             (
                 "kube-api-content-type",
                 self.kube_api_content_type != "application/vnd.kubernetes.protobuf",
-            ),
-            ("cipher-suites", !self.cipher_suites.0.is_empty()),
-            (
-                "tls-min-version",
-                matches!(self.tls_min_version.as_str(), "VersionTLS10" | "VersionTLS11"),
             ),
             ("enable-profiling", self.enable_profiling),
             ("enable-contention-profiling", self.enable_contention_profiling),
@@ -614,7 +629,6 @@ mod tests {
             "--kubeconfig-qps=5",
             "--kubeconfig-burst=5",
             "--kube-api-content-type=application/json",
-            "--cipher-suites=TLS_AES_128_GCM_SHA256",
             "--enable-profiling",
             "--enable-contention-profiling",
             "--admin-port=9000",

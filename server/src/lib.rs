@@ -50,7 +50,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::agent_service::AgentServer;
 use crate::backend::registry::Registry;
-use crate::config::{Config, FrontendListen, TlsVersions};
+use crate::config::{Config, FrontendListen};
 use crate::health::ServerEndpoints;
 use crate::metrics::ServerMetrics;
 use crate::policy::FrontendClass;
@@ -130,12 +130,11 @@ async fn agent_server(
     metrics: Arc<ServerMetrics>,
 ) -> Result<impl Future<Output = Result<(), tonic::transport::Error>>, ServeError> {
     let listener = bind_tcp("agent listener (--agent-port)", config.agent_addr).await?;
-    let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
     let tls = tls::server_config(
         &config.agent_identity,
         config.agent_client_ca.as_ref(),
         &[b"h2"],
-        tls13_only,
+        &config.tls_offer,
     )?;
     let streams = tls_incoming(listener, tls, "agent", None);
     let auth = config

@@ -207,3 +207,97 @@ fn our_own_certificates_of_such_shapes_stop_start_up_naming_the_flag() {
         }
     }
 }
+
+/// openssl's client against `port`, offering TLS 1.2 with only `cipher`
+/// (OpenSSL's name) or, with `None`, TLS 1.3: the cipher negotiated, or
+/// `None` when the handshake failed.
+fn negotiated(port: u16, pki: &Pki, cipher: Option<&str>) -> Option<String> {
+    let mut command = Command::new("openssl");
+    command
+        .args(["s_client", "-connect", &format!("127.0.0.1:{port}"), "-brief"])
+        .arg("-CAfile")
+        .arg(&pki.ca)
+        .arg("-cert")
+        .arg(&pki.agent.cert)
+        .arg("-key")
+        .arg(&pki.agent.key);
+    match cipher {
+        Some(cipher) => command.args(["-tls1_2", "-cipher", cipher]),
+        None => command.arg("-tls1_3"),
+    };
+    let output = command.stdin(std::process::Stdio::null()).output().unwrap();
+    let text = String::from_utf8_lossy(&output.stderr);
+    text.lines()
+        .find_map(|line| line.strip_prefix("Ciphersuite: "))
+        .map(str::to_owned)
+}
+
+/// `--cipher-suites` (Go's names) decides which TLS 1.2 suites every
+/// listener offers, as upstream's does; TLS 1.3's are offered regardless,
+/// as Go offers them. A client offering only a suite left out is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cipher_suites_limit_what_tls_1_2_clients_can_use() {
+    let dir = TempDir::new("konn-ciphers");
+    let pki = Pki::new(dir.path());
+    let server = Server::start(
+        dir.path(),
+        &pki,
+        "grpc",
+        true,
+        &["--cipher-suites=TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384".to_owned()],
+    )
+    .await;
+    let port = server.agent_port;
+    assert_eq!(
+        negotiated(port, &pki, Some("ECDHE-ECDSA-AES256-GCM-SHA384")).as_deref(),
+        Some("ECDHE-ECDSA-AES256-GCM-SHA384")
+    );
+    assert_eq!(
+        negotiated(port, &pki, Some("ECDHE-ECDSA-AES128-GCM-SHA256")),
+        None
+    );
+    assert!(negotiated(port, &pki, None).is_some_and(|suite| suite.starts_with("TLS_")));
+
+    // Without the flag, both TLS 1.2 suites are offered.
+    let open = Server::start(dir.path(), &pki, "grpc", true, &[]).await;
+    assert_eq!(
+        negotiated(open.agent_port, &pki, Some("ECDHE-ECDSA-AES128-GCM-SHA256")).as_deref(),
+        Some("ECDHE-ECDSA-AES128-GCM-SHA256")
+    );
+}
+
+/// A suite this build does not have, or TLS 1.0/1.1, stops start-up naming
+/// the flag and what is available.
+#[test]
+fn unavailable_cipher_suites_and_old_tls_versions_are_refused_at_start() {
+    let dir = TempDir::new("konn-ciphers");
+    let pki = Pki::new(dir.path());
+    for (flag, expected) in [
+        ("--cipher-suites=TLS_RSA_WITH_AES_128_CBC_SHA", "--cipher-suites"),
+        ("--tls-min-version=VersionTLS10", "--tls-min-version"),
+        ("--tls-min-version=VersionTLS11", "--tls-min-version"),
+    ] {
+        let output = Command::new(bin("proxy-server"))
+            .args([
+                "--mode=grpc",
+                "--server-port=0",
+                "--uds-name=/tmp/never-bound.sock",
+                flag,
+            ])
+            .arg(format!("--cluster-cert={}", pki.server.cert.display()))
+            .arg(format!("--cluster-key={}", pki.server.key.display()))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{flag}: {stderr}");
+        assert!(stderr.contains(expected), "{flag}: {stderr}");
+        if flag.starts_with("--cipher-suites") {
+            assert!(
+                stderr.contains("TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256"),
+                "names what is available: {stderr}"
+            );
+        } else {
+            assert!(stderr.contains("VersionTLS12"), "{stderr}");
+        }
+    }
+}

@@ -16,7 +16,7 @@ use konnectivity_plumbing::tls;
 use konnectivity_proto::wire::proxy_service_server::ProxyServiceServer;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, FrontendListen, Mode, TlsVersions};
+use crate::config::{Config, FrontendListen, Mode};
 use crate::policy::FrontendClass;
 use crate::tunnel::Dialer;
 use crate::{ServeError, bind_tcp, grpc_server, tls_incoming};
@@ -40,7 +40,6 @@ pub(crate) async fn start(
     dialer: Dialer,
     watcher: &Watcher,
 ) -> Result<FrontendTask, ServeError> {
-    let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
     let keepalive = config.frontend_keepalive;
     let watcher = watcher.clone();
     let bound = match &config.frontend {
@@ -58,7 +57,7 @@ pub(crate) async fn start(
                 Mode::Grpc => &[b"h2"],
             };
             let listener = bind_tcp("frontend (--server-port)", *addr).await?;
-            let tls = tls::server_config(identity, Some(client_ca), alpn, tls13_only)?;
+            let tls = tls::server_config(identity, Some(client_ca), alpn, &config.tls_offer)?;
             Bound::Tls(listener, Box::new(tls))
         }
     };
@@ -101,13 +100,12 @@ pub(crate) async fn start_node(
     let Some(node) = &config.node_frontend else {
         return Ok(None);
     };
-    let tls13_only = config.tls_versions == TlsVersions::Tls13Only;
     let listener = bind_tcp("node frontend (--node-frontend-port)", node.addr).await?;
     let tls = tls::server_config(
         &config.agent_identity,
         Some(&node.client_ca),
         &[b"h2"],
-        tls13_only,
+        &config.tls_offer,
     )?;
     let incoming = tls_incoming(listener, tls, "node frontend", Some(watcher.clone()));
     let node_dialer = Dialer {
