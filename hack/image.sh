@@ -141,6 +141,17 @@ if [[ -n $ca_bundle ]]; then
 fi
 say "docker build $image (the whole log: $out/build.log)"
 build_started=$SECONDS
+# cargo compiles the dependencies for minutes without a line worth showing:
+# say every minute that the build goes on, and where it is.
+: >"$out/build.log"
+(
+  started=$(date +%s)
+  while sleep 60; do
+    say "docker build still running ($(($(date +%s) - started)) s): $(tail -n 1 "$out/build.log" | cut -c1-100)"
+  done
+) &
+ticker=$!
+trap 'kill "$ticker" 2>/dev/null || true; stop_dockerd' EXIT
 # Each step as it starts and ends, and cargo's progress, for a CI log.
 if ! DOCKER_BUILDKIT=1 "${builder[@]}" build --network host --progress=plain "${secret[@]}" -t "$image" . 2>&1 |
   tee "$out/build.log" | grep --line-buffered -E '^#[0-9]+ (\[|DONE|ERROR|CACHED)|Compiling konnectivity|Finished'; then
@@ -153,11 +164,14 @@ grep -q '^#[0-9]* naming to .*'"$image"' done' "$out/build.log" || {
   tail -n 40 "$out/build.log" >&2
   fail "docker build failed"
 }
+kill "$ticker" 2>/dev/null || true
 size=$(docker image inspect -f '{{.Size}}' "$image")
 say "built $image in $((SECONDS - build_started)) s: $((size / 1024 / 1024)) MiB"
 
 # ---- smoke test: every binary starts, every program they run is there --------
-in_image() { docker run --rm --network none "$@"; }
+# Without a network there is nothing to forward: docker's warning that IPv4
+# forwarding is off (we start dockerd so) says nothing here.
+in_image() { docker run --rm --network none "$@" 2> >(grep -v "IPv4 forwarding is disabled" >&2); }
 for binary in proxy-server proxy-agent proxy-test-client; do
   in_image "$image" "$binary" --help >/dev/null || fail "$binary --help fails in the image"
 done

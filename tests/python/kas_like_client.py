@@ -13,9 +13,11 @@ without it gRPC core chooses: for a unix: target the percent-encoded socket path
 
 import argparse
 
+import atexit
 import os
 import queue
 import random
+import shutil
 import sys
 import tempfile
 
@@ -24,7 +26,9 @@ from grpc_tools import protoc
 
 
 def load_stubs(proto_dir):
+    # Removed when the client exits: the modules are imported by then.
     out = tempfile.mkdtemp(prefix="konn-stubs-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     for name in ("client.proto", "agent.proto"):
         rc = protoc.main(["protoc", f"-I{proto_dir}", f"--python_out={out}", f"--grpc_python_out={out}",
                           os.path.join(proto_dir, name)])
