@@ -193,8 +193,17 @@ pub(crate) async fn serve(
     }
 }
 
+/// The agent's flags, named when its connection to a server fails.
+pub(crate) const AGENT_TLS_FLAGS: konnectivity_plumbing::tls::ClientFlags =
+    konnectivity_plumbing::tls::ClientFlags {
+        ca: "ca-cert",
+        cert: "agent-cert",
+        key: "agent-key",
+        host: "proxy-server-host",
+    };
+
 fn log_connect_failure(target: &ServerTarget, error: &ConnectError) {
-    match konnectivity_plumbing::tls::explain_handshake_failure(error) {
+    match konnectivity_plumbing::tls::explain_client_failure(error, &target.host, AGENT_TLS_FLAGS) {
         Some(problem) => {
             tracing::warn!(%problem, server = %target.address(), "cannot connect to proxy-server: TLS refused")
         }

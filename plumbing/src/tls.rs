@@ -194,42 +194,128 @@ pub fn unsupported_shape(der: &[u8]) -> Option<String> {
     }
 }
 
-/// What an operator should know about a failed TLS handshake, when the
-/// failure is about certificates (the rest, such as port scanners and
-/// clients that hang up, is routine): the problem and its fix.
-pub fn explain_handshake_failure(error: &(dyn std::error::Error + 'static)) -> Option<String> {
-    use rustls::{CertificateError, Error as Rustls};
+/// The rustls error inside `error` (directly, or in an I/O error), if any.
+fn rustls_error<'a>(error: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
     let mut source = Some(error);
     while let Some(error) = source {
-        let rustls_error = error.downcast_ref::<Rustls>().or_else(|| {
+        let found = error.downcast_ref::<rustls::Error>().or_else(|| {
             error
                 .downcast_ref::<io::Error>()?
                 .get_ref()?
-                .downcast_ref::<Rustls>()
+                .downcast_ref::<rustls::Error>()
         });
-        if let Some(rustls_error) = rustls_error {
-            return match rustls_error {
-                Rustls::InvalidCertificate(CertificateError::Other(other))
-                    if other.0.downcast_ref::<webpki::Error>() == Some(&webpki::Error::UnsupportedCertVersion) =>
-                {
-                    Some(format!(
-                        "the peer's certificate is X.509 v1, which rustls refuses (Go accepts it): {REISSUE_V3}"
-                    ))
-                }
-                Rustls::InvalidCertificate(problem) => Some(format!("the peer's certificate was refused: {problem:?}")),
-                Rustls::NoCertificatesPresented => Some(
-                    "the peer sent no client certificate: it needs one signed by the CA this listener trusts \
-                     (Go clients also send none when their key is of a type this side does not offer: \
-                     ECDSA P-521, RSA under 2048 bits)"
-                        .to_owned(),
-                ),
-                Rustls::PeerIncompatible(problem) => Some(format!("the peer's TLS is incompatible: {problem:?}")),
-                _ => None,
-            };
+        if found.is_some() {
+            return found;
         }
         source = error.source();
     }
     None
+}
+
+/// What an operator should know about a handshake a listener refused, when
+/// the cause is one a log line can name: the peer's certificate, or a
+/// client that refused ours.
+pub fn explain_handshake_failure(error: &(dyn std::error::Error + 'static)) -> Option<String> {
+    use rustls::{CertificateError, Error as Rustls};
+    match rustls_error(error)? {
+        Rustls::InvalidCertificate(CertificateError::Other(other))
+            if other.0.downcast_ref::<webpki::Error>() == Some(&webpki::Error::UnsupportedCertVersion) =>
+        {
+            Some(format!(
+                "the peer's certificate is X.509 v1, which rustls refuses (Go accepts it): {REISSUE_V3}"
+            ))
+        }
+        Rustls::InvalidCertificate(CertificateError::UnknownIssuer) => Some(
+            "the peer's client certificate is not signed by the CA this listener trusts (its --*-ca-cert flag)"
+                .to_owned(),
+        ),
+        Rustls::InvalidCertificate(problem) => Some(format!("the peer's certificate was refused: {problem:?}")),
+        Rustls::NoCertificatesPresented => Some(
+            "the peer sent no client certificate: it needs one signed by the CA this listener trusts \
+             (Go clients also send none when their key is of a type this side does not offer: \
+             ECDSA P-521, RSA under 2048 bits)"
+                .to_owned(),
+        ),
+        Rustls::AlertReceived(alert) => Some(format!(
+            "the peer ended the handshake ({alert:?}): it does not trust this listener's certificate \
+             (the CA it was given is not the one that signed it, or the name it dialed is not in it)"
+        )),
+        Rustls::PeerIncompatible(problem) => Some(format!("the peer's TLS is incompatible: {problem:?}")),
+        _ => None,
+    }
+}
+
+/// The flags a TLS client was configured by, to name in its errors.
+#[derive(Clone, Copy, Debug)]
+pub struct ClientFlags {
+    /// The CA the server's certificate must chain to (`--ca-cert`).
+    pub ca: &'static str,
+    /// The client certificate and key (`--agent-cert`, `--agent-key`).
+    pub cert: &'static str,
+    pub key: &'static str,
+    /// The name the client dials, which the certificate must carry.
+    pub host: &'static str,
+}
+
+/// What to fix when a client's handshake with `host` failed, naming the
+/// flag or file at fault; `None` when the error is not one of TLS's.
+pub fn explain_client_failure(
+    error: &(dyn std::error::Error + 'static),
+    host: &str,
+    flags: ClientFlags,
+) -> Option<String> {
+    use rustls::{AlertDescription, CertificateError, Error as Rustls};
+    let ClientFlags {
+        ca,
+        cert,
+        key,
+        host: host_flag,
+    } = flags;
+    // An alert that arrives after the client's side of a TLS 1.3 handshake
+    // (the server refusing the client's certificate) surfaces on the first
+    // read, as an I/O error that kept only the text of rustls' error.
+    let text = crate::error_chain(error);
+    let alert = |name: &str| text.contains(&format!("received fatal alert: {name}"));
+    if alert("CertificateRequired") {
+        return Some(format!(
+            "the server requires a client certificate: set --{cert} and --{key} (one signed by the CA the \
+             server trusts for this listener)"
+        ));
+    }
+    if alert("BadCertificate") || alert("UnknownCA") || alert("CertificateUnknown") {
+        return Some(format!(
+            "the server refused the client certificate in --{cert}: it is not signed by the CA the server \
+             trusts for this listener"
+        ));
+    }
+    Some(match rustls_error(error)? {
+        Rustls::InvalidCertificate(
+            CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+        ) => format!(
+            "the server's certificate does not name {host:?} (as a DNS or IP subject alternative name): \
+             reissue it with that name, or give --{host_flag} a name it carries"
+        ),
+        Rustls::InvalidCertificate(CertificateError::UnknownIssuer) => format!(
+            "the server's certificate is not signed by the CA in --{ca} (without --{ca}, the system's roots \
+             are used): give --{ca} the CA that signed it"
+        ),
+        Rustls::InvalidCertificate(CertificateError::Expired | CertificateError::ExpiredContext { .. }) => {
+            "the server's certificate has expired: reissue it".to_owned()
+        }
+        Rustls::AlertReceived(AlertDescription::CertificateRequired) => format!(
+            "the server requires a client certificate: set --{cert} and --{key} (one signed by the CA the \
+             server trusts for this listener)"
+        ),
+        Rustls::AlertReceived(
+            AlertDescription::BadCertificate
+            | AlertDescription::UnknownCA
+            | AlertDescription::CertificateUnknown,
+        ) => format!(
+            "the server refused the client certificate in --{cert}: it is not signed by the CA the server \
+             trusts for this listener"
+        ),
+        other => return explain_handshake_failure(error).or_else(|| Some(format!("TLS: {other}"))),
+    })
 }
 
 /// Peers already warned about, so a peer retrying every second is named
@@ -476,7 +562,12 @@ pub fn accept_tls(
                         Some(problem) => {
                             tracing::debug!(%peer, listener = what, %problem, "TLS handshake refused")
                         }
-                        None => tracing::info!(%peer, %error, listener = what, "TLS handshake failed"),
+                        // Not one a log line can explain (a port scan, a
+                        // client speaking plain text): named once per peer.
+                        None if warned.first_time(peer.ip()) => {
+                            tracing::warn!(%peer, %error, listener = what, "TLS handshake failed (logged once per peer address)")
+                        }
+                        None => tracing::debug!(%peer, %error, listener = what, "TLS handshake failed"),
                     },
                     Err(_) => tracing::info!(%peer, listener = what, "TLS handshake timed out"),
                 }

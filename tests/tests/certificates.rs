@@ -301,3 +301,49 @@ fn unavailable_cipher_suites_and_old_tls_versions_are_refused_at_start() {
         }
     }
 }
+
+/// An agent whose TLS set-up does not fit the server says which flag to
+/// fix: a name the server's certificate does not carry, no --ca-cert, no
+/// client certificate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_tls_failures_name_the_flag_to_fix() {
+    let dir = TempDir::new("konn-agent-tls");
+    let pki = Pki::new(dir.path());
+    // On every loopback address, so that 127.0.0.2 reaches it too.
+    let server = Server::start(
+        dir.path(),
+        &pki,
+        "grpc",
+        true,
+        &["--agent-bind-address=".to_owned()],
+    )
+    .await;
+    let port = server.agent_port.to_string();
+    let ca = format!("--ca-cert={}", pki.ca.display());
+    let cert = format!("--agent-cert={}", pki.agent.cert.display());
+    let key = format!("--agent-key={}", pki.agent.key.display());
+    for (flags, hint) in [
+        // 127.0.0.2 is loopback too, but not in the server's certificate.
+        (
+            vec!["--proxy-server-host=127.0.0.2", &ca, &cert, &key],
+            "give --proxy-server-host a name it carries",
+        ),
+        (
+            vec!["--proxy-server-host=127.0.0.1", &cert, &key],
+            "give --ca-cert the CA that signed it",
+        ),
+        (
+            vec!["--proxy-server-host=127.0.0.1", &ca],
+            "set --agent-cert and --agent-key",
+        ),
+    ] {
+        let mut args: Vec<String> = flags.iter().map(|f| (*f).to_owned()).collect();
+        args.push(format!("--proxy-server-port={port}"));
+        args.push(format!("--health-server-port={}", free_port()));
+        let agent = Proc::spawn("proxy-agent", &args, dir.path());
+        wait_until(Duration::from_secs(10), hint, || async {
+            agent.log_text().contains(hint)
+        })
+        .await;
+    }
+}

@@ -706,6 +706,14 @@ async fn keep_tunnel(
     }
 }
 
+/// The node role's TLS flags, named when its tunnel cannot connect.
+const NODE_TLS_FLAGS: konnectivity_plumbing::tls::ClientFlags = konnectivity_plumbing::tls::ClientFlags {
+    ca: "ca-cert",
+    cert: "node-client-cert",
+    key: "node-client-key",
+    host: "proxy-server-host",
+};
+
 /// A new connection to the node frontend that has answered a probe.
 async fn connect_tunnel(settings: &NodeSettings) -> Result<Tunnel, String> {
     let connect = Tunnel::connect_tls_marked(
@@ -716,7 +724,14 @@ async fn connect_tunnel(settings: &NodeSettings) -> Result<Tunnel, String> {
     );
     let connected = match tokio::time::timeout(TUNNEL_PROBE_TIMEOUT, connect).await {
         Ok(Ok(connected)) => connected.with_dial_timeout(Duration::from_secs(10)),
-        Ok(Err(error)) => return Err(konnectivity_plumbing::error_chain(&error)),
+        Ok(Err(error)) => {
+            return Err(konnectivity_plumbing::tls::explain_client_failure(
+                &error,
+                &settings.server_host,
+                NODE_TLS_FLAGS,
+            )
+            .unwrap_or_else(|| konnectivity_plumbing::error_chain(&error)));
+        }
         Err(_) => return Err(format!("no connection within {TUNNEL_PROBE_TIMEOUT:?}")),
     };
     connected
