@@ -24,7 +24,9 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "== installing cargo-fuzz (crates.io)"
   cargo install cargo-fuzz --locked --quiet
 fi
-if cargo +nightly --version >/dev/null 2>&1; then
+# FUZZ_TOOLCHAIN=stable uses the pinned stable one even where a nightly is
+# installed (as on a machine without one, such as CI's).
+if [[ ${FUZZ_TOOLCHAIN:-} != stable ]] && cargo +nightly --version >/dev/null 2>&1; then
   fuzz() { cargo +nightly fuzz "$@"; }
   toolchain=nightly
 else

@@ -230,6 +230,17 @@ pub enum FrontendListen {
     },
 }
 
+/// Where the frontend listens, as a log line names it: `unix:PATH` or
+/// `tcp:ADDR`.
+impl std::fmt::Display for FrontendListen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrontendListen::Uds { path, .. } => write!(f, "unix:{}", path.display()),
+            FrontendListen::Tcp { addr, .. } => write!(f, "tcp:{addr}"),
+        }
+    }
+}
+
 /// The node frontend and its policy (`--node-*` flags).
 #[derive(Clone, Debug)]
 pub struct NodeFrontend {

@@ -195,7 +195,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         server_id = %config.server_id,
         agent_addr = %config.agent_addr,
         health_addr = %config.health_addr,
-        frontend = ?config.frontend,
+        frontend = %config.frontend,
+        mode = ?config.mode,
         "proxy-server started"
     );
 
