@@ -188,7 +188,8 @@ say "smoke test passed: the four binaries start, $(in_image "$image" nft --versi
 # ---- its files, for the scenarios run from the image -------------------------------
 rm -rf "$out/rootfs"
 mkdir -p "$out/rootfs"
-container=$(docker create "$image")
+# Created to be exported, never started: no network, so no forwarding warning.
+container=$(docker create --network none "$image")
 docker export "$container" | tar -C "$out/rootfs" -x
 docker rm "$container" >/dev/null
 docker image inspect -f '{{.Id}}' "$image" >"$out/rootfs.image-id"
