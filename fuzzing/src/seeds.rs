@@ -28,6 +28,11 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
             "CONNECT [fd00::5]:10250 HTTP/1.1\r\nHost: [fd00::5]:10250\r\n\r\n",
         ),
         ("get", "GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
+        // A gRPC client on the CONNECT frontend: HTTP/2's preface and SETTINGS.
+        (
+            "http2-preface",
+            "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00",
+        ),
         ("partial", "CONNECT 10.0.0.5:10250 HTTP/1.1\r\nHost: 10"),
         ("bad-target", "CONNECT 10.0.0.5 HTTP/1.1\r\n\r\n"),
     ] {

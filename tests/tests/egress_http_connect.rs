@@ -558,3 +558,32 @@ async fn proxy_test_client_fetches_and_tells_the_status_line_from_the_servers_wo
     );
     assert!(stderr.contains(&expected), "{stderr}");
 }
+
+/// A gRPC client (kube-apiserver's egress set to GRPC) against the HTTP
+/// CONNECT frontend is told, in HTTP/2, that the server runs
+/// `--mode=http-connect` and what to change; the server says so in its log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_client_on_the_connect_frontend_is_told_the_mode() {
+    let dir = TempDir::new("konn-mode");
+    let pki = Pki::new(dir.path());
+    let server = Server::start(dir.path(), &pki, "http-connect", true, &[]).await;
+    let tunnel = konnectivity_client::Tunnel::connect_uds(server.uds_path())
+        .await
+        .unwrap();
+    let error = tunnel
+        .dial("127.0.0.1:1")
+        .await
+        .err()
+        .expect("no tunnel on the CONNECT frontend");
+    let text = error.to_string();
+    assert!(
+        text.contains("--mode=http-connect") && text.contains("--mode=grpc"),
+        "the client learns the server's mode: {text}"
+    );
+    wait_until(
+        Duration::from_secs(5),
+        "the server to log the refusal",
+        || async { server.proc.log_text().contains("refused a gRPC client") },
+    )
+    .await;
+}

@@ -22,6 +22,9 @@ use crate::tunnel::{Dialer, RemoteEnd, TunnelConn, TunnelEnd};
 /// it before the tunneled bytes.
 pub(crate) const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
 
+/// What every HTTP/2 (and so gRPC) client sends first.
+const HTTP2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
 /// The longest request head accepted.
 pub const MAX_HEAD: usize = 16 * 1024;
 /// How long a client may take to send its request head.
@@ -42,6 +45,13 @@ pub enum RequestError {
     Timeout,
     #[error("connection closed before the request head was complete")]
     Incomplete,
+    /// A gRPC (HTTP/2) client: kube-apiserver's egress set to GRPC while
+    /// this server runs `--mode=http-connect`.
+    #[error(
+        "this proxy-server serves HTTP CONNECT (--mode=http-connect) and the client speaks HTTP/2 (gRPC): \
+         run the server with --mode=grpc, or set the client (kube-apiserver's egress selector) to HTTPConnect"
+    )]
+    Http2,
 }
 
 impl RequestError {
@@ -51,6 +61,9 @@ impl RequestError {
             RequestError::Malformed(_) | RequestError::BadTarget(_) | RequestError::Incomplete => 400,
             RequestError::TooLarge => 431,
             RequestError::Timeout => 408,
+            // Answered in HTTP/2 (see `write_http2_refusal`); counted as a
+            // bad request.
+            RequestError::Http2 => 400,
         }
     }
 }
@@ -67,6 +80,15 @@ pub struct ConnectRequest {
 /// Parses a request head from the start of `buf`. `Ok(None)` means more
 /// bytes are needed. Pure, so it is unit-tested and fuzzed on its own.
 pub fn parse_head(buf: &[u8]) -> Result<Option<(ConnectRequest, usize)>, RequestError> {
+    // HTTP/2's connection preface, which httparse would call malformed.
+    let preface = &HTTP2_PREFACE[..buf.len().min(HTTP2_PREFACE.len())];
+    if buf.len() >= 3 && buf.starts_with(preface) {
+        return if buf.len() >= HTTP2_PREFACE.len() {
+            Err(RequestError::Http2)
+        } else {
+            Ok(None)
+        };
+    }
     let mut headers = [httparse::EMPTY_HEADER; 64];
     let mut request = httparse::Request::new(&mut headers);
     let head_len = match request.parse(buf) {
@@ -161,6 +183,30 @@ async fn write_error<S: FrontendStream>(stream: &mut S, status: u16, message: &s
     let _ = tokio::time::timeout(LINGER_TIME, drain).await;
 }
 
+/// Refuses an HTTP/2 client in its own protocol: the server's preface (an
+/// empty SETTINGS frame) and a GOAWAY with HTTP_1_1_REQUIRED, `message` as
+/// its debug data, which gRPC clients report.
+async fn write_http2_refusal<S: FrontendStream>(stream: &mut S, message: &str) {
+    let frame = |kind: u8, payload: &[u8]| {
+        let length = (payload.len() as u32).to_be_bytes();
+        let mut frame = vec![length[1], length[2], length[3], kind, 0, 0, 0, 0, 0];
+        frame.extend_from_slice(payload);
+        frame
+    };
+    const SETTINGS: u8 = 0x4;
+    const GOAWAY: u8 = 0x7;
+    const HTTP_1_1_REQUIRED: u32 = 0xd;
+    let mut goaway = 0u32.to_be_bytes().to_vec();
+    goaway.extend_from_slice(&HTTP_1_1_REQUIRED.to_be_bytes());
+    goaway.extend_from_slice(message.as_bytes());
+    let mut bytes = frame(SETTINGS, &[]);
+    bytes.extend(frame(GOAWAY, &goaway));
+    let _ = stream.write_all(&bytes).await;
+    let _ = stream.shutdown().await;
+    let mut sink = vec![0u8; 4096];
+    let _ = tokio::time::timeout(LINGER_TIME, stream.read(&mut sink)).await;
+}
+
 /// How much of a refused client's further input is read before closing,
 /// and for how long at most.
 const LINGER_BYTES: usize = 256 * 1024;
@@ -172,6 +218,13 @@ pub(crate) async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer, _dra
     let _open = GaugeGuard::new(&dialer.metrics.http_connections);
     let request = match read_request(&mut stream).await {
         Ok(request) => request,
+        Err(RequestError::Http2) => {
+            let error = RequestError::Http2;
+            tracing::warn!(%error, "refused a gRPC client");
+            dialer.metrics.connect_rejected(error.http_status());
+            write_http2_refusal(&mut stream, &error.to_string()).await;
+            return;
+        }
         Err(error) => {
             tracing::debug!(%error, "rejected CONNECT request");
             dialer.metrics.connect_rejected(error.http_status());
@@ -304,6 +357,17 @@ mod tests {
     #[test]
     fn partial_head_asks_for_more() {
         assert_eq!(parse("CONNECT a:1 HTTP/1.1\r\nHost: x\r\n"), Ok(None));
+    }
+
+    #[test]
+    fn an_http2_client_is_recognised_by_its_preface() {
+        assert_eq!(
+            parse("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"),
+            Err(RequestError::Http2)
+        );
+        // Not yet the whole preface: wait for the rest.
+        assert_eq!(parse("PRI * HTTP/2.0\r\n"), Ok(None));
+        assert!(RequestError::Http2.to_string().contains("--mode=grpc"));
     }
 
     #[test]
