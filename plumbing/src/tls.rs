@@ -241,6 +241,12 @@ pub fn explain_handshake_failure(error: &(dyn std::error::Error + 'static)) -> O
              (the CA it was given is not the one that signed it, or the name it dialed is not in it)"
         )),
         Rustls::PeerIncompatible(problem) => Some(format!("the peer's TLS is incompatible: {problem:?}")),
+        Rustls::NoApplicationProtocol => Some(
+            "the peer offered no application protocol (ALPN) this listener serves: the frontend serves \
+             http/1.1 with --mode=http-connect and h2 with --mode=grpc, the agent and node listeners h2; \
+             a gRPC client on an HTTP CONNECT frontend (or the reverse) ends here: match --mode to the client"
+                .to_owned(),
+        ),
         _ => None,
     }
 }

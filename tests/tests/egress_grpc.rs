@@ -262,3 +262,75 @@ async fn agent_killed_mid_stream_fails_the_callers_read_promptly() {
     assert!(error.to_string().contains("agent disconnected"), "{error}");
     assert!(killed_at.elapsed() < Duration::from_secs(5));
 }
+
+/// kube-apiserver's egress set to HTTPConnect while the server runs
+/// `--mode=grpc`: on the Unix socket (the bytes kube-apiserver writes) and on
+/// the mTLS port (curl, a real HTTPS-proxy client), the client reads an
+/// HTTP/1.1 answer whose status line names the modes, and the server logs
+/// it; before, the client read h2's SETTINGS frame as a malformed response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_connect_client_on_the_grpc_frontend_is_told_the_mode() {
+    let dir = TempDir::new("konn-mode");
+    let pki = Pki::new(dir.path());
+    let on_socket = Server::start(dir.path(), &pki, "grpc", true, &[]).await;
+    let mut socket = tokio::net::UnixStream::connect(on_socket.uds_path())
+        .await
+        .unwrap();
+    // As k8s.io/apiserver's egress selector writes it.
+    socket
+        .write_all(b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(10), socket.read_to_string(&mut answer))
+        .await
+        .expect("the server answers and closes")
+        .unwrap();
+    let status_line = answer.lines().next().unwrap_or_default();
+    assert!(
+        status_line.starts_with("HTTP/1.1 400 Bad Request: ")
+            && status_line.contains("--mode=grpc")
+            && status_line.contains("--mode=http-connect"),
+        "the status line, which kube-apiserver logs, names the modes: {answer:?}"
+    );
+    assert!(
+        on_socket
+            .proc
+            .log_text()
+            .contains("refused an HTTP/1.1 client on the gRPC frontend"),
+        "{}",
+        on_socket.proc.log_text()
+    );
+
+    let tcp_dir = dir.path().join("tcp");
+    std::fs::create_dir_all(&tcp_dir).unwrap();
+    let on_port = Server::start(&tcp_dir, &pki, "grpc", false, &[]).await;
+    let output = std::process::Command::new("curl")
+        .args([
+            "--silent",
+            "--show-error",
+            "--verbose",
+            "--max-time",
+            "20",
+            "--proxytunnel",
+        ])
+        .args(["--proxy", &format!("https://127.0.0.1:{}", on_port.tcp_port())])
+        .args(["--proxy-cacert", &pki.ca.display().to_string()])
+        .args(["--proxy-cert", &pki.client.cert.display().to_string()])
+        .args(["--proxy-key", &pki.client.key.display().to_string()])
+        .arg("http://10.0.0.1:443/")
+        .output()
+        .expect("curl is installed (hack/test.sh installs it)");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains("< HTTP/1.1 400 Bad Request: this proxy-server serves gRPC (--mode=grpc)"),
+        "curl shows the status line: {stderr}"
+    );
+    assert!(
+        on_port
+            .proc
+            .log_text()
+            .contains("refused an HTTP/1.1 client on the gRPC frontend")
+    );
+}

@@ -586,4 +586,23 @@ async fn a_grpc_client_on_the_connect_frontend_is_told_the_mode() {
         || async { server.proc.log_text().contains("refused a gRPC client") },
     )
     .await;
+
+    // On the mTLS port a gRPC client offers only h2 (ALPN), which the
+    // CONNECT frontend does not serve: the handshake fails, and the log
+    // says why and which flag to match.
+    let tcp_dir = dir.path().join("tcp");
+    std::fs::create_dir_all(&tcp_dir).unwrap();
+    let on_port = Server::start(&tcp_dir, &pki, "http-connect", false, &[]).await;
+    let tls = pki.client_tls(Some(&pki.client), &[]);
+    let refused = konnectivity_client::Tunnel::connect_tls("localhost", on_port.tcp_port(), tls).await;
+    assert!(refused.is_err(), "no gRPC connection on the CONNECT port");
+    wait_until(
+        Duration::from_secs(5),
+        "the server to explain the refused handshake",
+        || async {
+            on_port.proc.log_text().contains("no application protocol (ALPN)")
+                && on_port.proc.log_text().contains("match --mode to the client")
+        },
+    )
+    .await;
 }

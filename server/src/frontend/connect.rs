@@ -23,7 +23,7 @@ use crate::tunnel::{Dialer, RemoteEnd, TunnelConn, TunnelEnd};
 pub(crate) const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
 
 /// What every HTTP/2 (and so gRPC) client sends first.
-const HTTP2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+pub(crate) const HTTP2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// The longest request head accepted.
 pub const MAX_HEAD: usize = 16 * 1024;
@@ -202,9 +202,22 @@ async fn write_http2_refusal<S: FrontendStream>(stream: &mut S, message: &str) {
     let mut bytes = frame(SETTINGS, &[]);
     bytes.extend(frame(GOAWAY, &goaway));
     let _ = stream.write_all(&bytes).await;
-    let _ = stream.shutdown().await;
+    let _ = stream.flush().await;
+    // The client closes once it has read the GOAWAY. Closing first would
+    // race it: a client that sees end-of-stream before it has handed its
+    // request to the connection reports "connection closed", not the text.
     let mut sink = vec![0u8; 4096];
-    let _ = tokio::time::timeout(LINGER_TIME, stream.read(&mut sink)).await;
+    let drain = async {
+        let mut left = LINGER_BYTES;
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER_TIME, drain).await;
+    let _ = stream.shutdown().await;
 }
 
 /// How much of a refused client's further input is read before closing,

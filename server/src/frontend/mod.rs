@@ -4,6 +4,7 @@ pub(crate) mod authority;
 pub(crate) mod connect;
 pub(crate) mod grpc;
 pub(crate) mod listen;
+pub(crate) mod preface;
 pub(crate) mod stream;
 
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use crate::policy::FrontendClass;
 use crate::tunnel::Dialer;
 use crate::{ServeError, bind_tcp, grpc_server, tls_incoming};
 use authority::TolerantAuthority;
+use preface::RequireHttp2;
 
 /// The frontend's listening socket, bound before anything is served.
 enum Bound {
@@ -79,11 +81,12 @@ pub(crate) async fn start(
         (Mode::Grpc, Bound::Uds(listener)) => {
             // grpc-go names the socket path as :authority; see `authority`.
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
-                .map(|stream| stream.map(TolerantAuthority::new));
+                .map(|stream| stream.map(|stream| TolerantAuthority::new(RequireHttp2::new(stream))));
             tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
         }
         (Mode::Grpc, Bound::Tls(listener, tls)) => {
-            let incoming = tls_incoming(listener, *tls, "frontend", Some(watcher.clone()));
+            let incoming = tls_incoming(listener, *tls, "frontend", Some(watcher.clone()))
+                .map(|stream| stream.map(RequireHttp2::new));
             tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
         }
     };
