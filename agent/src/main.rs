@@ -5,7 +5,7 @@ use konnectivity_agent::config::{AgentCommand, Args, Config};
 static ALLOCATOR: konnectivity_plumbing::runtime::Allocator = konnectivity_plumbing::runtime::Allocator;
 
 fn main() -> anyhow::Result<()> {
-    let args: Args = konnectivity_plumbing::flags::parse_or_exit();
+    let (args, flags): (Args, _) = konnectivity_plumbing::flags::parse_or_exit();
     if let Some(AgentCommand::InstallCni(install)) = &args.command {
         args.klog.init_logging()?;
         if let Err(error) = konnectivity_agent::cni::install::run(install) {
@@ -15,8 +15,13 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let config = Config::from_args(&args);
-    let config =
-        konnectivity_plumbing::klog::start("proxy-agent", config, &args.klog, &args.inert_settings())?;
+    let config = konnectivity_plumbing::klog::start(
+        "proxy-agent",
+        config,
+        &flags,
+        &args.klog,
+        &args.inert_settings(),
+    )?;
     if !args.keepalive_time.is_zero() && args.keepalive_time < konnectivity_agent::config::MIN_KEEPALIVE {
         tracing::warn!(
             requested = ?args.keepalive_time,

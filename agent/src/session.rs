@@ -152,41 +152,12 @@ impl std::fmt::Display for StreamEnd {
 impl StreamEnd {
     /// How a stream that failed with `status` ended.
     fn from_status(status: &tonic::Status) -> StreamEnd {
-        if connection_ended(status) {
+        if konnectivity_plumbing::net::grpc_connection_ended(status) {
             StreamEnd::ServerWentAway("the server closed the connection")
         } else {
             StreamEnd::Failed(format!("stream error: {status}"))
         }
     }
-}
-
-/// Whether the error under `status` is the connection's end (EOF, reset,
-/// broken pipe, or the server's GOAWAY without error) rather than
-/// something the server said or did wrong.
-fn connection_ended(status: &tonic::Status) -> bool {
-    let closed = |io: &std::io::Error| {
-        matches!(
-            io.kind(),
-            std::io::ErrorKind::UnexpectedEof
-                | std::io::ErrorKind::ConnectionReset
-                | std::io::ErrorKind::ConnectionAborted
-                | std::io::ErrorKind::BrokenPipe
-        )
-    };
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
-    while let Some(error) = source {
-        if let Some(io) = error.downcast_ref::<std::io::Error>() {
-            return closed(io);
-        }
-        // h2 reports an I/O failure of the connection as its own error, whose
-        // source skips the io::Error itself.
-        if let Some(h2) = error.downcast_ref::<h2::Error>() {
-            return h2.get_io().is_some_and(closed)
-                || (h2.is_go_away() && h2.reason() == Some(h2::Reason::NO_ERROR));
-        }
-        source = error.source();
-    }
-    false
 }
 
 /// Serves one server stream until it ends. Dropping the session closes every

@@ -224,10 +224,17 @@ mod tests {
 /// clap's message on a bad one. For an unknown flag, the tip names a known
 /// flag only when it is a near miss: a unique prefix (`--uds` for
 /// `--uds-name`) or within two edits of a long name (`--agent-identifierz`).
-pub fn parse_or_exit<T: clap::Parser>() -> T {
+pub fn parse_or_exit<T: clap::Parser>() -> (T, EffectiveFlags) {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let mut error = match T::try_parse() {
-        Ok(args) => return args,
+    let command = T::command();
+    let parsed = command.clone().try_get_matches().and_then(|matches| {
+        Ok((
+            T::from_arg_matches(&matches)?,
+            EffectiveFlags::new(&command, &matches),
+        ))
+    });
+    let mut error = match parsed {
+        Ok(parsed) => return parsed,
         Err(error) => error,
     };
     if error.kind() == ErrorKind::UnknownArgument
@@ -240,6 +247,43 @@ pub fn parse_or_exit<T: clap::Parser>() -> T {
         );
     }
     error.exit()
+}
+
+/// Every flag a binary ran with and its effective value, given or default,
+/// in the order `--help` lists them: what the start-up log shows.
+#[derive(Debug, Clone, Default)]
+pub struct EffectiveFlags(Vec<(String, String)>);
+
+impl EffectiveFlags {
+    fn new(command: &clap::Command, matches: &clap::ArgMatches) -> Self {
+        let flags = command
+            .get_arguments()
+            .filter(|arg| !arg.is_positional())
+            .filter(|arg| !matches!(arg.get_action(), clap::ArgAction::Help | clap::ArgAction::Version))
+            .filter_map(|arg| {
+                let name = arg.get_long()?.to_owned();
+                let values = matches.try_get_raw(arg.get_id().as_str()).ok().flatten();
+                let value = values
+                    .map(|values| {
+                        values
+                            .map(|value| value.to_string_lossy().into_owned())
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    })
+                    .unwrap_or_default();
+                Some((name, value))
+            })
+            .collect();
+        EffectiveFlags(flags)
+    }
+
+    /// Logs one line per flag, `FLAG: --name="value"`, as Kubernetes
+    /// components print theirs.
+    pub fn log(&self) {
+        for (name, value) in &self.0 {
+            tracing::info!("FLAG: --{name}={value:?}");
+        }
+    }
 }
 
 /// The one long flag of `command` that `given` (`--name` or `--name=value`)

@@ -105,12 +105,13 @@ impl KlogArgs {
 
 /// How both binaries start once their flags are parsed: the configuration,
 /// or its error on one line as `BINARY: error` with status 2, as for a bad
-/// flag; then logging as the klog flags ask, the effective configuration
+/// flag; then logging as the klog flags ask, every flag's effective value
 /// and the inert flags logged, and the open files limit raised to its hard
 /// limit (every tunnel is a descriptor or two).
-pub fn start<C: std::fmt::Debug, E: std::fmt::Display>(
+pub fn start<C, E: std::fmt::Display>(
     binary: &str,
     config: Result<C, E>,
+    flags: &crate::flags::EffectiveFlags,
     klog: &KlogArgs,
     inert: &[&str],
 ) -> std::io::Result<C> {
@@ -122,7 +123,7 @@ pub fn start<C: std::fmt::Debug, E: std::fmt::Display>(
         }
     };
     klog.init_logging()?;
-    tracing::info!(?config, "effective configuration");
+    flags.log();
     warn_inert(inert);
     match crate::raise_open_files_limit() {
         Ok(limit) => tracing::debug!(limit, "open files limit"),

@@ -5,10 +5,15 @@ use konnectivity_server::config::{Args, Config};
 static ALLOCATOR: konnectivity_plumbing::runtime::Allocator = konnectivity_plumbing::runtime::Allocator;
 
 fn main() -> anyhow::Result<()> {
-    let args: Args = konnectivity_plumbing::flags::parse_or_exit();
+    let (args, flags): (Args, _) = konnectivity_plumbing::flags::parse_or_exit();
     let config = Config::from_args(&args);
-    let config =
-        konnectivity_plumbing::klog::start("proxy-server", config, &args.klog, &args.inert_settings())?;
+    let config = konnectivity_plumbing::klog::start(
+        "proxy-server",
+        config,
+        &flags,
+        &args.klog,
+        &args.inert_settings(),
+    )?;
 
     let runtime = konnectivity_plumbing::runtime::multi_thread(args.runtime.workers())?;
     let result = runtime.block_on(async {

@@ -188,10 +188,9 @@ async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
     assert!(metric(agent_port, lists).await >= Some(1.0));
     assert!(metric(agent_port, watches).await >= Some(1.0));
     assert!(api.calls("GET watch") >= 1, "the agent watches rather than polls");
-    // The effective configuration is logged at start-up, the kubeconfig's
-    // token is not.
+    // The flags are logged at start-up, the kubeconfig's token is not.
     for log in [first.proc.log_text(), agent.proc.log_text()] {
-        assert!(log.contains("effective configuration"));
+        assert!(log.contains(r#""FLAG: --kubeconfig=\""#), "{log}");
         assert!(!log.contains(crate::support::kube_api::TOKEN), "{log}");
     }
 

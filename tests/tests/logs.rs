@@ -41,12 +41,22 @@ async fn text_logs_are_klog_lines_without_colour_codes() {
             );
             assert!(is_klog_line(line), "{}: not a klog line: {line:?}", proc.name);
         }
-        // The effective configuration reads as text, not as byte arrays.
-        let config = lines
-            .iter()
-            .find(|l| l.contains("effective configuration"))
-            .unwrap();
-        assert!(!config.contains("[104, 50]"), "{config}");
+        // Every flag's effective value, one per line, as Kubernetes
+        // components print theirs; not a Rust debug dump.
+        let flags: Vec<&String> = lines.iter().filter(|l| l.contains("] \"FLAG: --")).collect();
+        assert!(flags.len() > 30, "{}: {flags:?}", proc.name);
+        assert!(
+            flags.iter().any(|l| l.contains(r#""FLAG: --keepalive-time=\"#)),
+            "{}: {flags:?}",
+            proc.name
+        );
+        assert!(
+            lines
+                .iter()
+                .all(|l| !l.contains("Config {") && !l.contains("PemFile")),
+            "{}: {lines:?}",
+            proc.name
+        );
     }
 }
 
@@ -130,6 +140,16 @@ async fn a_clean_stop_of_either_peer_is_not_a_warning() {
     for line in &lines_of(server)[server_lines_before..] {
         assert!(line.starts_with('I'), "{line}");
     }
+    // Its connection closed; it did not fail the protocol.
+    let ended = lines_of(server)
+        .into_iter()
+        .find(|l| l.contains("agent stream ended"))
+        .unwrap();
+    assert!(
+        ended.contains("reason=\"agent closed the stream\"")
+            || ended.contains("the agent's connection closed"),
+        "{ended}"
+    );
 }
 
 /// The value of `key` in a klog line (quoted or bare).

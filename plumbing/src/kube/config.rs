@@ -32,8 +32,8 @@ pub enum KubeConfigError {
 }
 
 /// How requests prove who we are, besides a client certificate in the TLS
-/// configuration. Its `Debug` (the start-up log's effective configuration)
-/// names the kind, never the token.
+/// configuration. Its `Debug` names the kind, never the token: a debug
+/// line or a panic message must not leak it.
 #[derive(Clone)]
 pub enum Credentials {
     None,

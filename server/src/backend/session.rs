@@ -64,6 +64,11 @@ pub async fn run<S>(
                 Some(Ok(packet)) => session.on_packet(packet).await,
                 Some(Err(status)) => {
                     session.metrics.stream_errors.count(Segment::FromAgent, status.code(), None);
+                    // An agent that exits closes its connection without
+                    // ending its stream first: not a protocol error.
+                    if konnectivity_plumbing::net::grpc_connection_ended(&status) {
+                        break "the agent's connection closed (the agent exited, or the network dropped it)".to_owned();
+                    }
                     break format!("stream error: {status}");
                 }
                 None => break "agent closed the stream".to_owned(),
