@@ -50,7 +50,8 @@ pub struct Args {
     /// Port of /healthz, /readyz and /metrics.
     #[arg(long, value_parser = parse_port, default_value = "8093")]
     pub health_server_port: u16,
-    /// Port of upstream's admin listener (pprof). Not applied in this version (accepted for upstream compatibility): no admin listener is opened.
+    /// Port of the admin listener: /metrics, as on the health port (upstream's scrape configs use either).
+    /// A port that cannot be bound is logged and the agent runs on without it, as upstream's.
     #[arg(long, value_parser = parse_port, default_value = "8094")]
     pub admin_server_port: u16,
     /// This agent's identity (a random UUID when empty).
@@ -69,7 +70,7 @@ pub struct Args {
     /// each connection buffers up to its flow-control window, 2 MiB, instead.
     #[arg(long, default_value_t = 150)]
     pub xfr_channel_size: usize,
-    /// Bind address of upstream's admin listener. Not applied in this version (accepted for upstream compatibility).
+    /// Bind address of the admin listener; empty means all interfaces.
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
     /// How often each connection to a konnectivity-rs server is probed; one that
@@ -329,6 +330,8 @@ pub struct Config {
     /// `--sync-forever`.
     pub sync_forever: bool,
     pub health_addr: SocketAddr,
+    /// `--admin-bind-address` and `--admin-server-port`.
+    pub admin_addr: SocketAddr,
     pub dial_timeout: Duration,
     /// `--keepalive-time`, raised to [`MIN_KEEPALIVE`]; `None` is off.
     pub keepalive: Option<Duration>,
@@ -480,6 +483,16 @@ impl Config {
         let node = node_config(args)?;
         let identifiers = AgentIdentifiers::parse(&args.agent_identifiers)
             .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
+        let admin_ip = if args.admin_bind_address.is_empty() {
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        } else {
+            args.admin_bind_address.parse().map_err(|_| {
+                invalid(
+                    "admin-bind-address",
+                    format!("{:?} is not an IP address", args.admin_bind_address),
+                )
+            })?
+        };
         let health_ip = if args.health_server_host.is_empty() {
             IpAddr::V4(Ipv4Addr::UNSPECIFIED)
         } else {
@@ -519,6 +532,7 @@ impl Config {
             max_endpoint_connections: args.max_endpoint_connections,
             sync_forever: args.sync_forever,
             health_addr: SocketAddr::new(health_ip, args.health_server_port),
+            admin_addr: SocketAddr::new(admin_ip, args.admin_server_port),
             dial_timeout: args.dial_timeout,
             keepalive: (!args.keepalive_time.is_zero()).then(|| args.keepalive_time.max(MIN_KEEPALIVE)),
             node,
@@ -672,9 +686,7 @@ impl Args {
     /// but does not act on; main logs each once.
     pub fn inert_settings(&self) -> Vec<&'static str> {
         let mut inert: Vec<&'static str> = [
-            ("admin-server-port", self.admin_server_port != 8094),
             ("xfr-channel-size", self.xfr_channel_size != 150),
-            ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
             (
                 "kubeconfig",
                 !self.kubeconfig.is_empty() && !self.count_server_leases,
@@ -708,9 +720,7 @@ mod tests {
         use clap::CommandFactory;
         let mut line = vec![
             "proxy-agent",
-            "--admin-server-port=9000",
             "--xfr-channel-size=5",
-            "--admin-bind-address=0.0.0.0",
             "--kubeconfig=/x",
             "--kube-api-content-type=application/json",
             "--enable-profiling",

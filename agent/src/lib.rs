@@ -211,10 +211,20 @@ async fn serve(
                     addr: config.health_addr,
                     source,
                 })?;
-            Some(AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
+            let admin = konnectivity_plumbing::http::bind_admin(config.admin_addr, "admin-server-port")
+                .await
+                .map(|admin| {
+                    let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints(endpoints.clone()));
+                    AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
+                        Arc::new(admin),
+                        endpoints,
+                    )))
+                });
+            let health = AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
                 Arc::new(health),
                 endpoints.clone(),
-            ))))
+            )));
+            Some((health, admin))
         }
     };
     let alpn: Vec<&[u8]> = config.alpn.iter().map(|proto| proto.as_bytes()).collect();
@@ -310,6 +320,7 @@ async fn serve(
     };
     let health = HealthService {
         addr: config.health_addr,
+        admin_addr: config.admin_addr,
         endpoints,
     };
     tokio::select! {

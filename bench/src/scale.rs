@@ -89,8 +89,9 @@ pub async fn fleet(args: FleetArgs) -> anyhow::Result<()> {
             ),
         ])?;
         let mut config = konnectivity_agent::config::Config::from_args(&flags)?;
-        // Each agent's health listener on a port of the kernel's choosing.
+        // Each agent's health and admin listeners on ports of the kernel's choosing.
         config.health_addr.set_port(0);
+        config.admin_addr.set_port(0);
         let (trigger, watcher) = konnectivity_plumbing::lifecycle::channel();
         triggers.push(trigger);
         tokio::spawn(async move {

@@ -70,3 +70,36 @@ pub async fn serve(listener: Arc<TcpListener>, endpoints: Arc<dyn Endpoints>) {
         });
     }
 }
+
+/// Upstream's admin listener (`--admin-port` on the server,
+/// `--admin-server-port` on the agent): `/metrics` there too, as scrape
+/// configs and ServiceMonitors written for upstream point at either port.
+/// The same exposition as the health listener's, nothing else.
+pub struct AdminEndpoints(pub Arc<dyn Endpoints>);
+
+impl Endpoints for AdminEndpoints {
+    fn reply(&self, path: &str) -> Reply {
+        match path {
+            "/metrics" => self.0.reply(path),
+            _ => Reply::not_found(),
+        }
+    }
+}
+
+/// Binds the admin listener. As upstream, one that cannot be bound (the
+/// port taken) is logged, naming the flag, and the binary runs on without
+/// it: nothing depends on it but scrapes.
+pub async fn bind_admin(addr: std::net::SocketAddr, port_flag: &str) -> Option<TcpListener> {
+    match TcpListener::bind(addr).await {
+        Ok(listener) => Some(listener),
+        Err(error) => {
+            tracing::error!(
+                %addr,
+                %error,
+                "admin listener not opened: /metrics is served on the health port only; \
+                 choose a free --{port_flag} (with --admin-bind-address)"
+            );
+            None
+        }
+    }
+}

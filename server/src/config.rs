@@ -89,10 +89,11 @@ pub struct Args {
     /// Bind address of the health listener; empty means all interfaces.
     #[arg(long, default_value = "")]
     pub health_bind_address: String,
-    /// Port of upstream's admin listener (pprof). Not applied in this version (accepted for upstream compatibility): no admin listener is opened.
+    /// Port of the admin listener: /metrics, as on the health port (upstream's scrape configs use either).
+    /// A port that cannot be bound is logged and the server runs on without it, as upstream's.
     #[arg(long, value_parser = parse_port, default_value = "8095")]
     pub admin_port: u16,
-    /// Bind address of upstream's admin listener. Not applied in this version (accepted for upstream compatibility).
+    /// Bind address of the admin listener; empty means all interfaces.
     #[arg(long, default_value = "127.0.0.1")]
     pub admin_bind_address: String,
     /// How long a dial may wait for the agent's DIAL_RSP; 0 waits for the agent's own timeout.
@@ -261,6 +262,8 @@ pub struct Config {
     pub server_count: u32,
     pub strategies: Vec<Strategy>,
     pub health_addr: SocketAddr,
+    /// `--admin-bind-address` and `--admin-port`.
+    pub admin_addr: SocketAddr,
     pub backend_dial_timeout: Option<Duration>,
     /// `--keepalive-time` (agent connections); `None` is off.
     pub keepalive: Option<Duration>,
@@ -450,6 +453,7 @@ impl Config {
             server_count: args.server_count,
             strategies,
             health_addr: bind_address("health-bind-address", &args.health_bind_address, args.health_port)?,
+            admin_addr: bind_address("admin-bind-address", &args.admin_bind_address, args.admin_port)?,
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
             keepalive: (!args.keepalive_time.is_zero()).then_some(args.keepalive_time),
             frontend_keepalive: (!args.frontend_keepalive_time.is_zero())
@@ -610,8 +614,6 @@ impl Args {
             ),
             ("enable-profiling", self.enable_profiling),
             ("enable-contention-profiling", self.enable_contention_profiling),
-            ("admin-port", self.admin_port != 8095),
-            ("admin-bind-address", self.admin_bind_address != "127.0.0.1"),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))
@@ -642,8 +644,6 @@ mod tests {
             "--kube-api-content-type=application/json",
             "--enable-profiling",
             "--enable-contention-profiling",
-            "--admin-port=9000",
-            "--admin-bind-address=0.0.0.0",
         ];
         line.extend(konnectivity_plumbing::klog::INERT_KLOG_SETTINGS);
         let inert = Args::try_parse_from(&line).unwrap().inert_settings();

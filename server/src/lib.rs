@@ -185,6 +185,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         registry,
         metrics: metrics.clone(),
     });
+    let admin_task = konnectivity_plumbing::http::bind_admin(config.admin_addr, "admin-port")
+        .await
+        .map(|admin| {
+            let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints(endpoints.clone()));
+            tokio::spawn(konnectivity_plumbing::http::serve(Arc::new(admin), endpoints))
+        });
     let health_task = tokio::spawn(konnectivity_plumbing::http::serve(Arc::new(health), endpoints));
     // Published once clients can connect, as health is.
     let lease_controller = config
@@ -195,6 +201,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         server_id = %config.server_id,
         agent_addr = %config.agent_addr,
         health_addr = %config.health_addr,
+        admin_addr = %config.admin_addr,
         frontend = %config.frontend,
         mode = ?config.mode,
         "proxy-server started"
@@ -227,6 +234,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     drop(frontend_task);
     drop(node_task);
     health_task.abort();
+    if let Some(admin) = admin_task {
+        admin.abort();
+    }
     // Last, as upstream: agents keep counting this server while its
     // tunnels drain.
     if let Some(controller) = lease_controller {

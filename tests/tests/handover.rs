@@ -317,6 +317,14 @@ async fn a_rolling_replacement_of_the_node_agent_fails_no_connection() {
     // And it serves the pods added during the replacements.
     node.assert_reaches_the_api_server(pods.last().unwrap(), "a pod added during a replacement")
         .await;
+    // The admin listener was handed over with the rest: no successor could
+    // have bound its port while its predecessor held it.
+    let (status, metrics) = node.topology.node.http_get(NODE_AGENT_ADMIN, "/metrics");
+    assert_eq!(status, 200, "{metrics}");
+    assert!(
+        metrics.contains("konnectivity_network_proxy_agent_node_tunnel_up 1"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,13 @@ fn args(list: &[&str]) -> Vec<String> {
 /// Every proxy-server flag of upstream v0.36.0 at its upstream default, in
 /// Go's form, except what a running server must be given (ports, certificates,
 /// the socket). Some are passed as `--name value` rather than `--name=value`.
-fn server_args(dir: &std::path::Path, pki: &Pki, agent_port: u16, health_port: u16) -> Vec<String> {
+fn server_args(
+    dir: &std::path::Path,
+    pki: &Pki,
+    agent_port: u16,
+    health_port: u16,
+    admin_port: u16,
+) -> Vec<String> {
     let mut list = args(&[
         "--admin-bind-address=127.0.0.1",
         "--agent-bind-address=",
@@ -61,8 +67,7 @@ fn server_args(dir: &std::path::Path, pki: &Pki, agent_port: u16, health_port: u
         agent_port.to_string(),
         "--health-port".to_owned(),
         health_port.to_string(),
-        // No admin listener is opened, so upstream's default port is safe to pass.
-        "--admin-port=8095".to_owned(),
+        format!("--admin-port={admin_port}"),
     ]);
     list.extend(klog_args());
     list
@@ -91,7 +96,7 @@ fn klog_args() -> Vec<String> {
 
 /// Every proxy-agent flag of upstream v0.36.0, at its default where a
 /// running agent allows, as upstream's external-agent runner passes them.
-fn agent_args(pki: &Pki, server_agent_port: u16, health_port: u16) -> Vec<String> {
+fn agent_args(pki: &Pki, server_agent_port: u16, health_port: u16, admin_port: u16) -> Vec<String> {
     let mut list = args(&[
         "--proxy-server-host=127.0.0.1",
         "--alpn-proto=[]",
@@ -123,7 +128,7 @@ fn agent_args(pki: &Pki, server_agent_port: u16, health_port: u16) -> Vec<String
         format!("--ca-cert={}", pki.ca.display()),
         format!("--proxy-server-port={server_agent_port}"),
         format!("--health-server-port={health_port}"),
-        "--admin-server-port=8094".to_owned(),
+        format!("--admin-server-port={admin_port}"),
     ]);
     list.extend(klog_args());
     list
@@ -137,10 +142,10 @@ async fn status(port: u16, path: &str) -> u16 {
 async fn every_upstream_flag_at_its_default_comes_up_healthy_without_warnings() {
     let dir = TempDir::new("konn-parity");
     let pki = Pki::new(dir.path());
-    let (agent_port, server_health) = (free_port(), free_port());
+    let (agent_port, server_health, server_admin) = (free_port(), free_port(), free_port());
     let server = Proc::spawn(
         "proxy-server",
-        &server_args(dir.path(), &pki, agent_port, server_health),
+        &server_args(dir.path(), &pki, agent_port, server_health, server_admin),
         dir.path(),
     );
     wait_until(Duration::from_secs(10), "server /healthz 200", || async move {
@@ -148,10 +153,10 @@ async fn every_upstream_flag_at_its_default_comes_up_healthy_without_warnings() 
     })
     .await;
 
-    let agent_health = free_port();
+    let (agent_health, agent_admin) = (free_port(), free_port());
     let agent = Proc::spawn(
         "proxy-agent",
-        &agent_args(&pki, agent_port, agent_health),
+        &agent_args(&pki, agent_port, agent_health, agent_admin),
         dir.path(),
     );
     wait_until(Duration::from_secs(10), "agent /healthz 200", || async move {
@@ -169,6 +174,27 @@ async fn every_upstream_flag_at_its_default_comes_up_healthy_without_warnings() 
     )
     .await;
     assert_eq!(connected, Some(1.0));
+    // The admin listeners serve /metrics too, as upstream's: scrape configs
+    // written for upstream point at either port.
+    let server_connected = crate::support::scrape::metric(
+        server_admin,
+        "konnectivity_network_proxy_server_ready_backend_connections",
+    )
+    .await;
+    assert_eq!(server_connected, Some(1.0));
+    let agent_connected = crate::support::scrape::metric(
+        agent_admin,
+        "konnectivity_network_proxy_agent_open_server_connections",
+    )
+    .await;
+    assert_eq!(agent_connected, Some(1.0));
+    for admin in [server_admin, agent_admin] {
+        assert_eq!(
+            status(admin, "/healthz").await,
+            404,
+            "health stays on the health port"
+        );
+    }
 
     // Defaults change nothing, so nothing is reported as inert.
     for proc in [&server, &agent] {
@@ -186,7 +212,7 @@ async fn an_inert_flag_set_to_a_non_default_value_is_named_in_a_warning() {
     let dir = TempDir::new("konn-parity");
     let pki = Pki::new(dir.path());
     let (agent_port, health) = (free_port(), free_port());
-    let mut args = server_args(dir.path(), &pki, agent_port, health);
+    let mut args = server_args(dir.path(), &pki, agent_port, health, free_port());
     args.push("--kubeconfig-burst=5".to_owned());
     args.push("--skip-headers".to_owned());
     let server = Proc::spawn("proxy-server", &args, dir.path());

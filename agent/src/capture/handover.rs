@@ -5,7 +5,7 @@
 //! socket, so every message is one packet with its descriptors). A new agent
 //! that finds an agent answering there says hello; the old one stops
 //! changing pods and sends every listening socket it serves as a descriptor
-//! (SCM_RIGHTS): the health listener, the capture listeners, the CNI socket,
+//! (SCM_RIGHTS): the health and admin listeners, the capture listeners, the CNI socket,
 //! each captured pod's listeners with the pod's namespace, and the hand-over
 //! socket itself. Both processes then hold the same sockets. The new agent
 //! starts accepting and says so (`taken`); only then does the old one stop
@@ -60,6 +60,8 @@ fn exchange(error: impl std::fmt::Display) -> HandoverError {
 #[serde(rename_all = "snake_case")]
 pub(super) enum Role {
     Health,
+    /// The admin listener (`--admin-server-port`), when one was bound.
+    Admin,
     Capture,
     Cni,
     Handover,

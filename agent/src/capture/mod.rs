@@ -174,6 +174,8 @@ const TAKEOVER_WAIT_LOG: Duration = Duration::from_secs(30);
 /// role owns the listener, as it is handed over with the rest.
 pub struct HealthService {
     pub addr: SocketAddr,
+    /// The admin listener's (`/metrics` only; see `AdminEndpoints`).
+    pub admin_addr: SocketAddr,
     pub endpoints: Arc<dyn konnectivity_plumbing::http::Endpoints>,
 }
 
@@ -298,6 +300,11 @@ async fn take_over(
         .pop()
         .ok_or_else(|| missing("health listener"))?)
     .map_err(inherited_io)?;
+    // A predecessor that could not bind its admin port hands none over.
+    let admin_listener = match inheritance.take(handover::Role::Admin).pop() {
+        Some(fd) => Some(tcp(fd).map_err(inherited_io)?),
+        None => konnectivity_plumbing::http::bind_admin(health.admin_addr, "admin-server-port").await,
+    };
     let mut capture = Vec::new();
     for fd in inheritance.take(handover::Role::Capture) {
         capture.push(tcp(fd).map_err(inherited_io)?);
@@ -345,7 +352,7 @@ async fn take_over(
     let previous_ruleset = std::mem::take(&mut inheritance.ruleset);
     let role = NodeRole::serve(
         health,
-        health_listener,
+        (health_listener, admin_listener),
         capture,
         context,
         cni,
@@ -406,6 +413,8 @@ async fn start_afresh(
                 addr: health.addr,
                 source,
             })?;
+    let admin_listener =
+        konnectivity_plumbing::http::bind_admin(health.admin_addr, "admin-server-port").await;
     // REDIRECT in the output hook sends to the loopback address of the family.
     let mut addrs = vec![SocketAddr::new(
         IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -471,7 +480,7 @@ async fn start_afresh(
     };
     let role = NodeRole::serve(
         health,
-        health_listener,
+        (health_listener, admin_listener),
         capture,
         context,
         cni,
@@ -512,6 +521,7 @@ fn pod_settings(settings: &NodeSettings, cni: &CniSettings, port: u16, ruleset: 
 struct NodeRole {
     runtime: tokio::runtime::Handle,
     health: Serving<TcpListener>,
+    admin: Option<Serving<TcpListener>>,
     capture: Vec<Serving<TcpListener>>,
     cni: Option<std::sync::Mutex<Serving<UnixListener>>>,
     pods: Option<Arc<Pods>>,
@@ -529,7 +539,7 @@ impl NodeRole {
     #[allow(clippy::too_many_arguments)]
     fn serve(
         health: HealthService,
-        health_listener: TcpListener,
+        (health_listener, admin_listener): (TcpListener, Option<TcpListener>),
         capture: Vec<TcpListener>,
         context: Arc<CaptureContext>,
         cni: Option<(UnixListener, Arc<Pods>)>,
@@ -538,6 +548,12 @@ impl NodeRole {
         readiness: &Arc<NodeReadiness>,
     ) -> NodeRole {
         let endpoints = health.endpoints;
+        let admin = admin_listener.map(|listener| {
+            let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints(endpoints.clone()));
+            Serving::start(listener, |listener| {
+                konnectivity_plumbing::http::serve(listener, endpoints)
+            })
+        });
         let health = Serving::start(health_listener, |listener| {
             konnectivity_plumbing::http::serve(listener, endpoints)
         });
@@ -561,6 +577,7 @@ impl NodeRole {
         NodeRole {
             runtime: tokio::runtime::Handle::current(),
             health,
+            admin,
             capture,
             cni,
             pods,
@@ -575,6 +592,9 @@ impl NodeRole {
     fn snapshot(&self) -> std::io::Result<handover::Snapshot> {
         use handover::Role;
         let mut sockets = vec![(Role::Health, self.health.duplicate()?)];
+        if let Some(admin) = &self.admin {
+            sockets.push((Role::Admin, admin.duplicate()?));
+        }
         for serving in &self.capture {
             sockets.push((Role::Capture, serving.duplicate()?));
         }
@@ -628,6 +648,9 @@ impl handover::Handing for NodeRole {
 
     fn hand_over(&self) {
         self.health.stop();
+        if let Some(admin) = &self.admin {
+            admin.stop();
+        }
         for serving in &self.capture {
             serving.stop();
         }

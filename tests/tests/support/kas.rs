@@ -28,6 +28,8 @@ pub const NODE_FRONTEND_PORT: u16 = 8096;
 pub const SERVER_HEALTH: u16 = 8092;
 pub const CP_AGENT_HEALTH: u16 = 8093;
 pub const NODE_AGENT_HEALTH: u16 = 8094;
+/// The node agent's admin listener (/metrics), in the node's namespace.
+pub const NODE_AGENT_ADMIN: u16 = 8095;
 pub const VERSION_BODY: &str = r#"{"major":"1","minor":"31","gitVersion":"v1.31.0-konnectivity-standin"}"#;
 pub const BLOB_LEN: usize = 200 * 1024 * 1024;
 
@@ -98,6 +100,7 @@ pub fn node_agent_args(pki: &Pki, extra_captures: &[String]) -> Vec<String> {
         format!("--agent-key={}", pki.agent.key.display()),
         "--agent-id=node-1".to_owned(),
         format!("--health-server-port={NODE_AGENT_HEALTH}"),
+        format!("--admin-server-port={NODE_AGENT_ADMIN}"),
         "--sync-interval=100ms".to_owned(),
         "--sync-interval-cap=500ms".to_owned(),
         format!("--capture={VIP}:443={KAS}"),
