@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{ArgAction, Parser, ValueEnum};
@@ -12,7 +13,7 @@ use konnectivity_plumbing::flags::{
     GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
 };
 use konnectivity_plumbing::klog::KlogArgs;
-use konnectivity_plumbing::kube::KubeEndpoint;
+use konnectivity_plumbing::kube::{KubeEndpoint, RateLimit};
 use konnectivity_plumbing::tls::{self, Identity, PemFile, TlsOffer};
 
 use crate::backend::strategy::{Strategy, parse_strategies};
@@ -138,10 +139,11 @@ pub struct Args {
     /// kubeconfig for TokenReviews and server Leases; empty uses the pod's ServiceAccount.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Rate limit of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): TokenReviews are cached and shared instead.
-    #[arg(long, default_value_t = 0.0)]
+    /// Requests per second to kube-apiserver (TokenReviews, Leases), as client-go's rate limit. 0 (or below) is no
+    /// limit, where upstream takes client-go's 5: TokenReviews are cached and shared, one per distinct agent token.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub kubeconfig_qps: f32,
-    /// Burst of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility), as --kubeconfig-qps.
+    /// Requests to kube-apiserver that may go at once before --kubeconfig-qps applies; 0 means client-go's default, 10.
     #[arg(long, default_value_t = 0)]
     pub kubeconfig_burst: u32,
     /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): JSON is sent.
@@ -406,10 +408,22 @@ impl Config {
                 }
             }
         }
-        let leases = lease_settings(args)?;
+        if !args.kubeconfig_qps.is_finite() {
+            return Err(invalid(
+                "kubeconfig-qps",
+                "must be a number of requests per second",
+            ));
+        }
+        // One limit for every request, as upstream's one client has.
+        let rate_limit = RateLimit::from_flags(args.kubeconfig_qps, args.kubeconfig_burst).map(Arc::new);
+        let mut leases = lease_settings(args)?;
+        if let Some(leases) = &mut leases {
+            leases.kube.rate_limit = rate_limit.clone();
+        }
         let agent_auth = if token_auth.iter().any(|v| !v.is_empty()) {
-            let kube = KubeEndpoint::from_flag(&args.kubeconfig)
+            let mut kube = KubeEndpoint::from_flag(&args.kubeconfig)
                 .map_err(|e| invalid("kubeconfig", e.to_string()))?;
+            kube.rate_limit = rate_limit;
             Some(AgentTokenAuth {
                 allowed: AllowedAgents {
                     namespace: args.agent_namespace.clone(),
@@ -606,8 +620,6 @@ impl Args {
                     && self.agent_namespace.is_empty()
                     && !self.enable_lease_controller,
             ),
-            ("kubeconfig-qps", self.kubeconfig_qps != 0.0),
-            ("kubeconfig-burst", self.kubeconfig_burst != 0),
             (
                 "kube-api-content-type",
                 self.kube_api_content_type != "application/vnd.kubernetes.protobuf",
@@ -639,8 +651,6 @@ mod tests {
             "proxy-server",
             "--frontend-write-channel-size=5",
             "--xfr-channel-size=5",
-            "--kubeconfig-qps=5",
-            "--kubeconfig-burst=5",
             "--kube-api-content-type=application/json",
             "--enable-profiling",
             "--enable-contention-profiling",

@@ -22,34 +22,35 @@ const OTHER_SA: &str = "someone-elses-token";
 const OTHER_NS: &str = "wrong-namespace-token";
 const INVALID: &str = "forged-token";
 
+/// Tokens of as many agents as a burst of new ones brings.
+const BURST_TOKENS: [&str; 8] = [
+    "burst-0", "burst-1", "burst-2", "burst-3", "burst-4", "burst-5", "burst-6", "burst-7",
+];
+
 async fn start(dir: &Path, pki: &Pki) -> (TokenReviewer, Server) {
-    let reviewer = TokenReviewer::start(
-        pki,
-        AUDIENCE,
-        &[
-            (GOOD, AGENT_USER),
-            (CACHED, AGENT_USER),
-            (OTHER_SA, "system:serviceaccount:kube-system:someone-else"),
-            (OTHER_NS, "system:serviceaccount:default:konnectivity-agent"),
-        ],
-    )
-    .await;
+    start_with(dir, pki, &[]).await
+}
+
+async fn start_with(dir: &Path, pki: &Pki, extra: &[String]) -> (TokenReviewer, Server) {
+    let mut users = vec![
+        (GOOD, AGENT_USER),
+        (CACHED, AGENT_USER),
+        (OTHER_SA, "system:serviceaccount:kube-system:someone-else"),
+        (OTHER_NS, "system:serviceaccount:default:konnectivity-agent"),
+    ];
+    users.extend(BURST_TOKENS.iter().map(|token| (*token, AGENT_USER)));
+    let reviewer = TokenReviewer::start(pki, AUDIENCE, &users).await;
     let kubeconfig = reviewer.kubeconfig(dir, pki);
-    let server = Server::start(
-        dir,
-        pki,
-        "http-connect",
-        true,
-        &[
-            // No client certificates: the token is the agent's credential.
-            "--cluster-ca-cert=".to_owned(),
-            "--agent-namespace=kube-system".to_owned(),
-            "--agent-service-account=konnectivity-agent".to_owned(),
-            format!("--authentication-audience={AUDIENCE}"),
-            format!("--kubeconfig={}", kubeconfig.display()),
-        ],
-    )
-    .await;
+    let mut flags = vec![
+        // No client certificates: the token is the agent's credential.
+        "--cluster-ca-cert=".to_owned(),
+        "--agent-namespace=kube-system".to_owned(),
+        "--agent-service-account=konnectivity-agent".to_owned(),
+        format!("--authentication-audience={AUDIENCE}"),
+        format!("--kubeconfig={}", kubeconfig.display()),
+    ];
+    flags.extend_from_slice(extra);
+    let server = Server::start(dir, pki, "http-connect", true, &flags).await;
     (reviewer, server)
 }
 
@@ -193,4 +194,37 @@ async fn a_reconnect_storm_costs_kube_apiserver_one_review() {
         1,
         "answers must be cached and shared"
     );
+}
+
+/// `--kubeconfig-qps` and `--kubeconfig-burst` limit the server's requests to
+/// kube-apiserver as client-go's do: a burst of new agents (a token each)
+/// gets `burst` reviews at once and the rest at `qps`, and all are admitted.
+/// Only lower bounds on time are asserted: a slow machine cannot fail them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_new_agents_reaches_kube_apiserver_at_the_configured_rate() {
+    let dir = TempDir::new("konn-token");
+    let pki = Pki::new(dir.path());
+    let limit = ["--kubeconfig-qps=4".to_owned(), "--kubeconfig-burst=2".to_owned()];
+    let (reviewer, server) = start_with(dir.path(), &pki, &limit).await;
+    let burst = BURST_TOKENS
+        .iter()
+        .map(|token| connect_with(&server, &pki, Some(token)));
+    for result in futures_util::future::join_all(burst).await {
+        result.expect("every agent of the burst is admitted");
+    }
+    let arrivals = reviewer.arrivals();
+    assert_eq!(arrivals.len(), BURST_TOKENS.len(), "one review per token");
+    // Two at once, then one every 250 ms: the eighth no sooner than 1.5 s
+    // after the first; and in any stretch of n reviews, at least
+    // (n - 2) × 250 ms between its first and last.
+    for first in 0..arrivals.len() {
+        for last in first + 2..arrivals.len() {
+            let at_least = Duration::from_millis(250) * (last - first - 1) as u32;
+            let took = arrivals[last] - arrivals[first];
+            assert!(
+                took + Duration::from_millis(20) >= at_least,
+                "reviews {first}..={last} came within {took:?}, the limit allows no less than {at_least:?}"
+            );
+        }
+    }
 }

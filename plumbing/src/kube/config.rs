@@ -64,6 +64,10 @@ pub struct KubeEndpoint {
     pub server_name: String,
     pub tls: Arc<ClientConfig>,
     pub credentials: Credentials,
+    /// Requests wait for this limit's turn (`--kubeconfig-qps`,
+    /// `--kubeconfig-burst`); one limit shared by every client of the
+    /// binary. `None`: no limit.
+    pub rate_limit: Option<Arc<super::RateLimit>>,
 }
 
 #[derive(Deserialize)]
@@ -138,6 +142,7 @@ impl std::fmt::Debug for KubeEndpoint {
             .field("server", &self.server)
             .field("server_name", &self.server_name)
             .field("credentials", &self.credentials)
+            .field("rate_limit", &self.rate_limit)
             .finish_non_exhaustive()
     }
 }
@@ -272,6 +277,7 @@ impl KubeEndpoint {
             path_prefix,
             tls: Arc::new(tls),
             credentials,
+            rate_limit: None,
         })
     }
 
@@ -309,6 +315,7 @@ impl KubeEndpoint {
             path_prefix: String::new(),
             tls: Arc::new(tls),
             credentials: Credentials::TokenFile(dir.join("token")),
+            rate_limit: None,
         })
     }
 }

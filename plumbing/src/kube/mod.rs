@@ -5,6 +5,7 @@
 
 mod config;
 pub mod lease;
+mod rate;
 mod selector;
 mod watch;
 
@@ -21,6 +22,7 @@ use tokio::sync::Mutex;
 use tokio_rustls::TlsConnector;
 
 pub use config::{Credentials, KubeConfigError, KubeEndpoint};
+pub use rate::RateLimit;
 pub use selector::{LabelSelector, SelectorError, check_label};
 pub use watch::{WatchEvent, WatchStream};
 
@@ -93,6 +95,13 @@ impl KubeClient {
         }
     }
 
+    /// Waits for the endpoint's rate limit, if it has one.
+    async fn wait_for_turn(&self) {
+        if let Some(limit) = &self.endpoint.rate_limit {
+            limit.acquire().await;
+        }
+    }
+
     pub fn server(&self) -> &str {
         &self.endpoint.server
     }
@@ -133,6 +142,7 @@ impl KubeClient {
         body: Option<&T>,
     ) -> Result<R, KubeError> {
         let server = || self.endpoint.server.clone();
+        self.wait_for_turn().await;
         let body = body.map(|body| serde_json::to_vec(body).expect("request types serialize"));
         let (status, answer) =
             tokio::time::timeout(REQUEST_TIMEOUT, self.exchange(method.clone(), path, body))
@@ -153,6 +163,7 @@ impl KubeClient {
     /// connection of its own, which the watch holds until it is dropped.
     pub async fn watch(&self, path: &str) -> Result<WatchStream, KubeError> {
         let server = || self.endpoint.server.clone();
+        self.wait_for_turn().await;
         let request = self.request(Method::GET, path, None).await?;
         let started = async {
             let mut sender = self.connect().await?;

@@ -21,6 +21,8 @@ pub const REVIEWER_TOKEN: &str = "reviewer-secret";
 pub struct TokenReviewer {
     pub port: u16,
     reviews: Arc<Mutex<HashMap<String, usize>>>,
+    /// When each request arrived, in order.
+    arrivals: Arc<Mutex<Vec<std::time::Instant>>>,
     task: JoinHandle<()>,
 }
 
@@ -45,12 +47,15 @@ impl TokenReviewer {
         );
         let reviews = Arc::new(Mutex::new(HashMap::new()));
         let counted = reviews.clone();
+        let arrivals = Arc::new(Mutex::new(Vec::new()));
+        let arrived = arrivals.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((tcp, _)) = listener.accept().await else {
                     return;
                 };
-                let (acceptor, users, counted) = (acceptor.clone(), users.clone(), counted.clone());
+                let (acceptor, users, counted, arrived) =
+                    (acceptor.clone(), users.clone(), counted.clone(), arrived.clone());
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         return;
@@ -58,6 +63,7 @@ impl TokenReviewer {
                     let mut stream = BufReader::new(tls);
                     // Keep-alive: one request after another on the connection.
                     while let Some((head, body)) = read_request(&mut stream).await {
+                        arrived.lock().unwrap().push(std::time::Instant::now());
                         let (status, answer) = review(&head, &body, audience, &users, &counted);
                         let text = answer.to_string();
                         let response = format!(
@@ -71,12 +77,22 @@ impl TokenReviewer {
                 });
             }
         });
-        TokenReviewer { port, reviews, task }
+        TokenReviewer {
+            port,
+            reviews,
+            arrivals,
+            task,
+        }
     }
 
     /// How many reviews of `token` were asked for.
     pub fn reviews_of(&self, token: &str) -> usize {
         self.reviews.lock().unwrap().get(token).copied().unwrap_or(0)
+    }
+
+    /// When each request arrived, in order.
+    pub fn arrivals(&self) -> Vec<std::time::Instant> {
+        self.arrivals.lock().unwrap().clone()
     }
 
     /// A kubeconfig for proxy-server pointing at this stand-in.
