@@ -119,19 +119,18 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(ConnectRequest, usize)>, Request
 }
 
 /// Reads the request head, bounded in size and time.
-async fn read_request<S: FrontendStream>(stream: &mut S) -> Result<ConnectRequest, RequestError> {
-    let mut buf = BytesMut::with_capacity(1024);
+/// Reads the request head into `buf`, which keeps what was read (for an
+/// HTTP/2 client, what followed its preface).
+async fn read_request<S: FrontendStream>(
+    stream: &mut S,
+    buf: &mut BytesMut,
+) -> Result<ConnectRequest, RequestError> {
     let read = async {
         loop {
-            if stream
-                .read_buf(&mut buf)
-                .await
-                .map_err(|_| RequestError::Incomplete)?
-                == 0
-            {
+            if stream.read_buf(buf).await.map_err(|_| RequestError::Incomplete)? == 0 {
                 return Err(RequestError::Incomplete);
             }
-            if let Some((request, _)) = parse_head(&buf)? {
+            if let Some((request, _)) = parse_head(buf)? {
                 return Ok(request);
             }
         }
@@ -184,9 +183,13 @@ async fn write_error<S: FrontendStream>(stream: &mut S, status: u16, message: &s
 }
 
 /// Refuses an HTTP/2 client in its own protocol: the server's preface (an
-/// empty SETTINGS frame) and a GOAWAY with HTTP_1_1_REQUIRED, `message` as
-/// its debug data, which gRPC clients report.
-async fn write_http2_refusal<S: FrontendStream>(stream: &mut S, message: &str) {
+/// empty SETTINGS frame), then, once the client has opened its first stream
+/// (or a second has passed), a GOAWAY with HTTP_1_1_REQUIRED and `message` as
+/// its debug data, which gRPC clients report for that stream. Sent before the
+/// client's request, the GOAWAY would race it: a client that has not yet
+/// handed its request to the connection reports only "connection closed".
+/// `read` holds what was read so far, the preface first.
+async fn write_http2_refusal<S: FrontendStream>(stream: &mut S, mut read: BytesMut, message: &str) {
     let frame = |kind: u8, payload: &[u8]| {
         let length = (payload.len() as u32).to_be_bytes();
         let mut frame = vec![length[1], length[2], length[3], kind, 0, 0, 0, 0, 0];
@@ -194,18 +197,42 @@ async fn write_http2_refusal<S: FrontendStream>(stream: &mut S, message: &str) {
         frame
     };
     const SETTINGS: u8 = 0x4;
+    const HEADERS: u8 = 0x1;
     const GOAWAY: u8 = 0x7;
     const HTTP_1_1_REQUIRED: u32 = 0xd;
+    if stream.write_all(&frame(SETTINGS, &[])).await.is_err() || stream.flush().await.is_err() {
+        return;
+    }
+    let _ = read.split_to(HTTP2_PREFACE.len().min(read.len()));
+    let first_stream = async {
+        let mut left = LINGER_BYTES;
+        loop {
+            // Skip whole frames until a HEADERS frame begins.
+            while read.len() >= 9 {
+                if read[3] == HEADERS {
+                    return;
+                }
+                let length = usize::from(read[0]) << 16 | usize::from(read[1]) << 8 | usize::from(read[2]);
+                if read.len() < 9 + length {
+                    break;
+                }
+                let _ = read.split_to(9 + length);
+            }
+            match stream.read_buf(&mut read).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) if n >= left => return,
+                Ok(n) => left -= n,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(FIRST_STREAM_WAIT, first_stream).await;
     let mut goaway = 0u32.to_be_bytes().to_vec();
     goaway.extend_from_slice(&HTTP_1_1_REQUIRED.to_be_bytes());
     goaway.extend_from_slice(message.as_bytes());
-    let mut bytes = frame(SETTINGS, &[]);
-    bytes.extend(frame(GOAWAY, &goaway));
-    let _ = stream.write_all(&bytes).await;
+    let _ = stream.write_all(&frame(GOAWAY, &goaway)).await;
     let _ = stream.flush().await;
-    // The client closes once it has read the GOAWAY. Closing first would
-    // race it: a client that sees end-of-stream before it has handed its
-    // request to the connection reports "connection closed", not the text.
+    // The client closes once it has read the GOAWAY; closing first could
+    // reset the connection before it has.
     let mut sink = vec![0u8; 4096];
     let drain = async {
         let mut left = LINGER_BYTES;
@@ -220,6 +247,9 @@ async fn write_http2_refusal<S: FrontendStream>(stream: &mut S, message: &str) {
     let _ = stream.shutdown().await;
 }
 
+/// How long a refused HTTP/2 client is given to open its first stream.
+const FIRST_STREAM_WAIT: Duration = Duration::from_secs(1);
+
 /// How much of a refused client's further input is read before closing,
 /// and for how long at most.
 const LINGER_BYTES: usize = 256 * 1024;
@@ -229,13 +259,19 @@ const LINGER_TIME: Duration = Duration::from_secs(2);
 /// server's drain waiting (`_drain`) until then.
 pub(crate) async fn serve<S: FrontendStream>(mut stream: S, dialer: Dialer, _drain: Hold) {
     let _open = GaugeGuard::new(&dialer.metrics.http_connections);
-    let request = match read_request(&mut stream).await {
-        Ok(request) => request,
+    let mut head = BytesMut::with_capacity(1024);
+    let request = match read_request(&mut stream, &mut head).await {
+        Ok(request) => {
+            // Parsed: the request keeps what followed the head. An idle
+            // tunnel holds no read buffer.
+            drop(head);
+            request
+        }
         Err(RequestError::Http2) => {
             let error = RequestError::Http2;
             tracing::warn!(%error, "refused a gRPC client");
             dialer.metrics.connect_rejected(error.http_status());
-            write_http2_refusal(&mut stream, &error.to_string()).await;
+            write_http2_refusal(&mut stream, head, &error.to_string()).await;
             return;
         }
         Err(error) => {
