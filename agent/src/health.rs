@@ -49,7 +49,11 @@ impl Endpoints for AgentEndpoints {
                     Reply::text(StatusCode::OK, "ok")
                 }
             }
-            "/metrics" => metrics::reply(&self.metrics.registry, &self.metrics.alive_tasks),
+            "/metrics" => metrics::reply(
+                &self.metrics.registry,
+                &self.metrics.alive_tasks,
+                &self.metrics.heap_bytes,
+            ),
             _ => Reply::not_found(),
         }
     }

@@ -53,6 +53,8 @@ pub struct AgentMetrics {
     pub dial_duration: Histogram,
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
     pub alive_tasks: Gauge,
+    /// Ours: bytes allocated and not freed (`runtime_heap_bytes`).
+    pub heap_bytes: Gauge,
     /// Not upstream's: captured connections being tunneled now.
     pub captured_connections_open: Gauge,
     /// Not upstream's: whether the node tunnel answers its probes.
@@ -89,6 +91,7 @@ impl Default for AgentMetrics {
             open_endpoint_connections: Gauge::default(),
             dial_duration: Histogram::new(LATENCY_BUCKETS),
             alive_tasks: Gauge::default(),
+            heap_bytes: Gauge::default(),
             captured_connections_open: Gauge::default(),
             node_tunnel_up: Gauge::default(),
             captured: Family::default(),
@@ -184,6 +187,12 @@ impl Default for AgentMetrics {
                 "runtime_alive_tasks",
                 "Tasks alive in the agent's async runtime.",
                 metrics.alive_tasks.clone(),
+            );
+            register(
+                registry,
+                "runtime_heap_bytes",
+                "Bytes the agent has allocated and not freed: what a leak grows (resident memory also moves with the allocator's caches).",
+                metrics.heap_bytes.clone(),
             );
         });
         AgentMetrics { registry, ..metrics }

@@ -84,10 +84,12 @@ impl<M: EncodeMetric + std::fmt::Debug + Send + Sync + 'static> Collector for De
 }
 
 /// The `/metrics` reply: the registry's text, with `alive_tasks` first set
-/// to the number of tasks alive in the current runtime (a leak shows there).
-pub fn reply(registry: &Registry, alive_tasks: &Gauge) -> crate::http::Reply {
+/// to the number of tasks alive in the current runtime and `heap_bytes` to
+/// the bytes allocated and not freed (a leak shows in one or the other).
+pub fn reply(registry: &Registry, alive_tasks: &Gauge, heap_bytes: &Gauge) -> crate::http::Reply {
     let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
     alive_tasks.set(tasks as i64);
+    heap_bytes.set(crate::sys::heap_bytes());
     crate::http::Reply {
         status: http::StatusCode::OK,
         content_type: CONTENT_TYPE,

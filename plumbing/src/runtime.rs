@@ -10,10 +10,11 @@ use std::cell::Cell;
 use std::time::{Duration, Instant};
 
 /// The allocator both binaries install (`#[global_allocator]`), kept here
-/// beside the collection that depends on it. mimalloc keeps freed memory for
-/// reuse: with the system allocator every encoded 64 KiB packet cost fresh
-/// pages (page faults and unmaps were 5% of the CPU time of a bulk transfer).
-pub use mimalloc::MiMalloc as Allocator;
+/// beside the collection that depends on it: mimalloc, which keeps freed
+/// memory for reuse (with the system allocator every encoded 64 KiB packet
+/// cost fresh pages: page faults and unmaps were 5% of the CPU time of a bulk
+/// transfer), counting the live bytes (`crate::sys::heap_bytes`).
+pub use crate::sys::CountingAllocator as Allocator;
 
 /// How often, at most, one worker hands freed memory back. Workers park
 /// after nearly every burst of work, thousands of times a second under

@@ -90,3 +90,92 @@ pub fn recv_with_fds(
     }
     Ok((length, fds))
 }
+
+/// The global allocator of both binaries: mimalloc, counting the bytes
+/// allocated and not yet freed. Resident memory says how much the allocator
+/// holds, which moves with its caches and with which pages it could give
+/// back; the live count moves only with what the program holds, so a leak
+/// shows there and nowhere else (`runtime_heap_bytes` in /metrics).
+///
+/// The count is split over cache-line-sized shards, one per thread (modulo
+/// their number), so that workers allocating at once do not contend for
+/// one counter.
+pub struct CountingAllocator;
+
+const HEAP_SHARDS: usize = 16;
+
+#[repr(align(128))]
+struct Shard(std::sync::atomic::AtomicIsize);
+
+static HEAP_LIVE: [Shard; HEAP_SHARDS] =
+    [const { Shard(std::sync::atomic::AtomicIsize::new(0)) }; HEAP_SHARDS];
+static NEXT_SHARD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+std::thread_local! {
+    // No destructor, so usable from the allocator at any point of a
+    // thread's life, teardown included.
+    static HEAP_SHARD: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+}
+
+fn count_heap(delta: isize) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let shard = HEAP_SHARD
+        .try_with(|shard| {
+            if shard.get() == usize::MAX {
+                shard.set(NEXT_SHARD.fetch_add(1, Relaxed) % HEAP_SHARDS);
+            }
+            shard.get()
+        })
+        .unwrap_or(0);
+    HEAP_LIVE[shard].0.fetch_add(delta, Relaxed);
+}
+
+/// Bytes allocated through [`CountingAllocator`] and not yet freed (0 in a
+/// program that installs another allocator).
+pub fn heap_bytes() -> i64 {
+    HEAP_LIVE
+        .iter()
+        .map(|shard| shard.0.load(std::sync::atomic::Ordering::Relaxed) as i64)
+        .sum()
+}
+
+// SAFETY: every method forwards its arguments unchanged to mimalloc's
+// implementation of the same method, which upholds GlobalAlloc's contract;
+// the counting around it allocates nothing and touches only atomics and a
+// destructor-less thread-local.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: the caller's guarantees for `layout` are passed on.
+        let pointer = unsafe { mimalloc::MiMalloc.alloc(layout) };
+        if !pointer.is_null() {
+            count_heap(layout.size() as isize);
+        }
+        pointer
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: as `alloc`.
+        let pointer = unsafe { mimalloc::MiMalloc.alloc_zeroed(layout) };
+        if !pointer.is_null() {
+            count_heap(layout.size() as isize);
+        }
+        pointer
+    }
+
+    unsafe fn dealloc(&self, pointer: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: `pointer` came from this allocator with `layout`, as the
+        // caller guarantees; mimalloc allocated it.
+        unsafe { mimalloc::MiMalloc.dealloc(pointer, layout) };
+        count_heap(-(layout.size() as isize));
+    }
+
+    unsafe fn realloc(&self, pointer: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: as `dealloc`, and `new_size` is valid as the caller
+        // guarantees.
+        let moved = unsafe { mimalloc::MiMalloc.realloc(pointer, layout, new_size) };
+        if !moved.is_null() {
+            count_heap(new_size as isize - layout.size() as isize);
+        }
+        moved
+    }
+}

@@ -30,7 +30,11 @@ impl Endpoints for ServerEndpoints {
                     )
                 }
             }
-            "/metrics" => metrics::reply(&self.metrics.registry, &self.metrics.alive_tasks),
+            "/metrics" => metrics::reply(
+                &self.metrics.registry,
+                &self.metrics.alive_tasks,
+                &self.metrics.heap_bytes,
+            ),
             _ => Reply::not_found(),
         }
     }

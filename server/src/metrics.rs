@@ -72,6 +72,8 @@ pub struct ServerMetrics {
     full_receive_channels: Family<Labels, Gauge>,
     /// Not upstream's: tasks alive in the runtime, to show nothing leaks.
     pub alive_tasks: Gauge,
+    /// Ours: bytes allocated and not freed (`runtime_heap_bytes`).
+    pub heap_bytes: Gauge,
     grpc_connections: Family<Labels, Gauge>,
     /// Ours: requests refused by --max-tunnels-per-frontend, by frontend.
     limit_refusals: Family<Labels, GoCounter>,
@@ -109,6 +111,7 @@ impl Default for ServerMetrics {
             stream_errors: StreamErrors::default(),
             full_receive_channels: Family::default(),
             alive_tasks: Gauge::default(),
+            heap_bytes: Gauge::default(),
             grpc_connections: Family::default(),
             limit_refusals: Family::default(),
             tunnels_ended: TunnelsEnded::default(),
@@ -231,6 +234,12 @@ impl Default for ServerMetrics {
                 "runtime_alive_tasks",
                 "Tasks alive in the server's async runtime.",
                 metrics.alive_tasks.clone(),
+            );
+            register(
+                registry,
+                "runtime_heap_bytes",
+                "Bytes the server has allocated and not freed: what a leak grows (resident memory also moves with the allocator's caches).",
+                metrics.heap_bytes.clone(),
             );
             metrics.tunnels_ended = TunnelsEnded::register(registry);
             register(

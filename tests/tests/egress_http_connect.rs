@@ -392,7 +392,7 @@ async fn stalled_connections_do_not_stall_others_on_the_agent_stream() {
     let target = target.addr.to_string();
     // Two warm-up rounds at the test's own concurrency, so the buffers and
     // tables a round grows once are part of the baseline, and the higher
-    // memory of the two, as resident memory moves between identical rounds
+    // heap of the two, as the heap moves between identical rounds
     // (see `Resources::highest`); the third must come back to it. One small
     // tunnel as the warm-up made a baseline a loaded CI run fell 20% short of.
     let mut warm_ups = Vec::new();
@@ -461,8 +461,8 @@ async fn stall_round(setup: &Setup, target: &str) {
     let stalled = setup.resources().await;
     eprintln!("before the round {before:?}\nwhile stalled {stalled:?}");
     for (now, before, who) in [
-        (stalled.server_rss_kib, before.server_rss_kib, "server"),
-        (stalled.agent_rss_kib, before.agent_rss_kib, "agent"),
+        (stalled.server_heap_kib, before.server_heap_kib, "server"),
+        (stalled.agent_heap_kib, before.agent_heap_kib, "agent"),
     ] {
         assert!(
             now < before + 32 * 1024,

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use crate::support::certs::Pki;
-use crate::support::cluster::{memory_back_to, open_fds, rss_kib, settled_fds};
+use crate::support::cluster::{memory_back_to, open_fds, settled_fds};
 use crate::support::connect::via_uds;
 use crate::support::netns::{Netns, link, root_or_skip};
 use crate::support::targets::{self, pattern_digest};
@@ -21,6 +21,8 @@ const SERVER_HEALTH: u16 = 8092;
 const AGENT_HEALTH: u16 = 8093;
 const READY: &str = "konnectivity_network_proxy_server_ready_backend_connections";
 const MIB: u64 = 1024 * 1024;
+const SERVER_HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
+const AGENT_HEAP: &str = "konnectivity_network_proxy_agent_runtime_heap_bytes";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
@@ -100,6 +102,15 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
             Ok::<_, std::io::Error>(())
         }
     };
+    // The heap (KiB) of the server and of the agent, from their metrics.
+    let heap = || {
+        let kib =
+            |netns: &Netns, port, family| netns.metric(port, family).map_or(0, |bytes| bytes as u64 / 1024);
+        (
+            kib(&control_plane, SERVER_HEALTH, SERVER_HEAP),
+            kib(&node, AGENT_HEALTH, AGENT_HEAP),
+        )
+    };
     // The same transfer as after the partition, so the baseline holds what
     // it needs; twice, memory the higher of the two (as Resources::highest).
     let mut memory = (0, 0);
@@ -107,10 +118,8 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
         transfer(16 * MIB, seed).await.unwrap();
         settled_fds(server.pid()).await;
         settled_fds(agent.pid()).await;
-        memory = (
-            memory.0.max(rss_kib(server.pid())),
-            memory.1.max(rss_kib(agent.pid())),
-        );
+        let now = heap();
+        memory = (memory.0.max(now.0), memory.1.max(now.1));
     }
     let fds = (open_fds(server.pid()), open_fds(agent.pid()));
 
@@ -172,7 +181,7 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
             "konnectivity_network_proxy_agent_open_endpoint_connections",
         );
         let now_fds = (open_fds(server.pid()), open_fds(agent.pid()));
-        let now_memory = (rss_kib(server.pid()), rss_kib(agent.pid()));
+        let now_memory = heap();
         let back = endpoints == Some(0.0)
             && now_fds == fds
             && memory_back_to(now_memory.0, memory.0)
@@ -181,11 +190,11 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
     };
     let (endpoints, now_fds, now_memory) =
         crate::support::wait_until_or_last(Duration::from_secs(15), current).await;
-    eprintln!("memory (server, agent) before {memory:?} KiB, after {now_memory:?} KiB");
+    eprintln!("heap (server, agent) before {memory:?} KiB, after {now_memory:?} KiB");
     assert_eq!(endpoints, Some(0.0), "the agent's endpoint connections");
     assert_eq!(now_fds, fds, "(server, agent) descriptors");
     assert!(
         memory_back_to(now_memory.0, memory.0) && memory_back_to(now_memory.1, memory.1),
-        "memory more than 10% above its baseline"
+        "heap more than 10% above its baseline"
     );
 }
