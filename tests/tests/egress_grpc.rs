@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::TempDir;
 use crate::support::certs::Pki;
-use crate::support::cluster::{Setup, unanswering_listener};
+use crate::support::cluster::{Setup, settled_fds, unanswering_listener};
 use crate::support::procs::Server;
 use crate::support::scrape::metric;
 use crate::support::targets::{self, pattern_digest};
@@ -333,4 +333,48 @@ async fn an_http_connect_client_on_the_grpc_frontend_is_told_the_mode() {
             .log_text()
             .contains("refused an HTTP/1.1 client on the gRPC frontend")
     );
+}
+
+/// kube-apiserver opens an HTTP/2 connection per tunnel (konnectivity-client's
+/// single-use tunnel), so at 10,000 open tunnels the server holds 10,000
+/// HTTP/2 connections: what an idle one keeps on the server's heap counts.
+/// h2 allocated a 16 KiB write buffer and a 4 KiB HPACK decoding buffer for
+/// every connection up front and kept them (vendor/README.md); ours takes
+/// them only while it encodes or decodes. The heap, not resident memory, is
+/// compared: it is exact, where resident pages depend on what the
+/// allocator touched before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_single_use_grpc_tunnel_holds_little_heap_on_the_server() {
+    const TUNNELS: usize = 100;
+    let setup = Setup::start("grpc", true, &[]).await;
+    let target = targets::blob().await;
+    let target = target.addr.to_string();
+    let open = |count: usize| {
+        let (setup, target) = (&setup, &target);
+        async move {
+            let mut held = Vec::new();
+            for seed in 0..count {
+                // A connection of its own per tunnel, as kube-apiserver dials.
+                let tunnel = tunnel(setup, true).await;
+                let mut stream = tunnel.dial(target).await.unwrap();
+                let (sent, received) = targets::push(&mut stream, 1024, seed as u64).await.unwrap();
+                assert_eq!(sent, received);
+                held.push((tunnel, stream));
+            }
+            held
+        }
+    };
+    // Once first, so that tables the first tunnels grow are in the baseline.
+    drop(open(TUNNELS).await);
+    let baseline = setup.baseline().await;
+    let held = open(TUNNELS).await;
+    settled_fds(setup.server.proc.pid()).await;
+    let now = setup.resources().await;
+    let per_tunnel = (now.server_heap_kib.saturating_sub(baseline.server_heap_kib)) as f64 / TUNNELS as f64;
+    eprintln!("server heap per idle single-use tunnel: {per_tunnel:.1} KiB ({baseline:?} -> {now:?})");
+    assert!(
+        per_tunnel <= 20.0,
+        "an idle single-use tunnel holds {per_tunnel:.1} KiB of the server's heap"
+    );
+    drop(held);
 }

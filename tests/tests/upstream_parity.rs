@@ -213,7 +213,7 @@ async fn an_inert_flag_set_to_a_non_default_value_is_named_in_a_warning() {
     let pki = Pki::new(dir.path());
     let (agent_port, health) = (free_port(), free_port());
     let mut args = server_args(dir.path(), &pki, agent_port, health, free_port());
-    args.push("--kubeconfig-burst=5".to_owned());
+    args.push("--enable-profiling".to_owned());
     args.push("--skip-headers".to_owned());
     let server = Proc::spawn("proxy-server", &args, dir.path());
     wait_until(Duration::from_secs(10), "server /healthz 200", || async move {
@@ -221,7 +221,7 @@ async fn an_inert_flag_set_to_a_non_default_value_is_named_in_a_warning() {
     })
     .await;
     let log = server.log_text();
-    for flag in ["--kubeconfig-burst", "--skip-headers"] {
+    for flag in ["--enable-profiling", "--skip-headers"] {
         assert!(
             log.lines()
                 .any(|l| l.contains("has no effect") && l.contains(flag)),
