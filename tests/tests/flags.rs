@@ -233,7 +233,7 @@ fn a_missing_socket_directory_stops_start_up_with_one_line_naming_the_flag() {
         "{stderr}"
     );
     assert!(
-        !stderr.contains("panicked") && !stderr.contains("backtrace"),
+        !stderr.contains("panicked at") && !stderr.contains("stack backtrace"),
         "{stderr}"
     );
 }
