@@ -176,6 +176,13 @@ impl Stack {
                 "--health-bind-address=127.0.0.1".into(),
             ],
         )?;
+        // The agent once the server listens: an agent that dialed too early
+        // backs off (1 s, growing 1.5× a try), and on a machine still busy
+        // closing the previous route's 10,000 connections its next try could
+        // come after the readiness wait below has given up.
+        wait_listening(server_health, Duration::from_secs(20))
+            .await
+            .with_context(|| format!("proxy-server ({}) never listened", mode.flag()))?;
         let agent = spawn(
             layout,
             &format!("proxy-agent-{}", mode.flag()),
@@ -206,6 +213,18 @@ impl Stack {
     pub fn resident_bytes(&self) -> anyhow::Result<(u64, u64)> {
         Ok((self.server.resident_bytes()?, self.agent.resident_bytes()?))
     }
+}
+
+/// Waits until something accepts on `port`.
+async fn wait_listening(port: u16, limit: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    bail!("nothing listening on port {port} within {limit:?}")
 }
 
 /// Polls `/readyz` until it answers 200: the agent is connected.
