@@ -483,26 +483,8 @@ impl Config {
         let node = node_config(args)?;
         let identifiers = AgentIdentifiers::parse(&args.agent_identifiers)
             .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
-        let admin_ip = if args.admin_bind_address.is_empty() {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-        } else {
-            args.admin_bind_address.parse().map_err(|_| {
-                invalid(
-                    "admin-bind-address",
-                    format!("{:?} is not an IP address", args.admin_bind_address),
-                )
-            })?
-        };
-        let health_ip = if args.health_server_host.is_empty() {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-        } else {
-            args.health_server_host.parse().map_err(|_| {
-                invalid(
-                    "health-server-host",
-                    format!("{:?} is not an IP address", args.health_server_host),
-                )
-            })?
-        };
+        let admin_ip = bind_ip("admin-bind-address", &args.admin_bind_address)?;
+        let health_ip = bind_ip("health-server-host", &args.health_server_host)?;
         // gRPC needs h2; --alpn-proto adds to it, as upstream's does.
         let mut alpn = vec!["h2".to_owned()];
         for proto in &args.alpn_proto.0 {
@@ -704,6 +686,17 @@ impl Args {
         inert.extend(self.klog.inert_settings());
         inert
     }
+}
+
+/// The address a listener binds from `flag`'s `value`: empty means every
+/// interface.
+fn bind_ip(flag: &'static str, value: &str) -> Result<IpAddr, ConfigError> {
+    if value.is_empty() {
+        return Ok(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+    }
+    value
+        .parse()
+        .map_err(|_| invalid(flag, format!("{value:?} is not an IP address")))
 }
 
 #[cfg(test)]

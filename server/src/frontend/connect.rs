@@ -163,12 +163,16 @@ async fn write_error<S: FrontendStream>(stream: &mut S, status: u16, message: &s
     );
     let _ = stream.write_all(response.as_bytes()).await;
     let _ = stream.shutdown().await;
-    // Closing a socket with unread bytes makes the kernel send a reset,
-    // which can destroy the answer before the client reads it (a client
-    // whose head was too large has usually sent more). Read and discard a
-    // bounded amount, for a bounded time, first. The buffer is on the heap:
-    // in the future it would make every tunnel's task 4 KiB larger, as the
-    // task is as large as its largest state.
+    discard_input(stream).await;
+}
+
+/// Reads and discards what the client sends, a bounded amount for a bounded
+/// time, until it closes. Closing a socket with unread bytes makes the
+/// kernel send a reset, which can destroy an answer before the client reads
+/// it (a client whose head was too large has usually sent more). The buffer
+/// is on the heap: in the future it would make every tunnel's task 4 KiB
+/// larger, as the task is as large as its largest state.
+async fn discard_input<S: FrontendStream>(stream: &mut S) {
     let mut sink = vec![0u8; 4096];
     let drain = async {
         let mut left = LINGER_BYTES;
@@ -233,17 +237,7 @@ async fn write_http2_refusal<S: FrontendStream>(stream: &mut S, mut read: BytesM
     let _ = stream.flush().await;
     // The client closes once it has read the GOAWAY; closing first could
     // reset the connection before it has.
-    let mut sink = vec![0u8; 4096];
-    let drain = async {
-        let mut left = LINGER_BYTES;
-        while left > 0 {
-            match stream.read(&mut sink).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => left = left.saturating_sub(n),
-            }
-        }
-    };
-    let _ = tokio::time::timeout(LINGER_TIME, drain).await;
+    discard_input(stream).await;
     let _ = stream.shutdown().await;
 }
 
