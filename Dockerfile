@@ -20,6 +20,8 @@ WORKDIR /src
 # The whole workspace: .dockerignore keeps target/, .git and test output
 # out, so a new workspace member can never be left behind.
 COPY . .
+# proxy-server and proxy-agent keep their symbol tables (2.7 MiB each, line
+# tables dropped) so that a CPU profile (--enable-profiling) names functions.
 # BuildKit cache mounts keep crates.io downloads and the build directory
 # from one build to the next on the same machine (a fresh machine starts
 # cold); the binaries are copied out of the cached target directory.
@@ -33,7 +35,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && mkdir /out \
  && cp target/release/proxy-server target/release/proxy-agent target/release/konnectivity-cni \
        target/release/proxy-test-client /out/ \
- && strip /out/*
+ && strip /out/konnectivity-cni /out/proxy-test-client \
+ && strip --strip-debug /out/proxy-server /out/proxy-agent
 
 FROM docker.io/library/debian:bookworm-slim
 # What the binaries need at run time, and only that (agent/src/programs.rs

@@ -214,7 +214,10 @@ async fn serve(
             let admin = konnectivity_plumbing::http::bind_admin(config.admin_addr, "admin-server-port")
                 .await
                 .map(|admin| {
-                    let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints(endpoints.clone()));
+                    let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints::new(
+                        endpoints.clone(),
+                        config.profiling,
+                    ));
                     AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
                         Arc::new(admin),
                         endpoints,
@@ -321,6 +324,7 @@ async fn serve(
     let health = HealthService {
         addr: config.health_addr,
         admin_addr: config.admin_addr,
+        profiling: config.profiling,
         endpoints,
     };
     tokio::select! {

@@ -11,6 +11,7 @@ pub mod limit;
 pub mod logging;
 pub mod metrics;
 pub mod net;
+pub mod profiling;
 pub mod runtime;
 pub mod signals;
 pub mod sys;

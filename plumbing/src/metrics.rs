@@ -93,7 +93,8 @@ pub fn reply(registry: &Registry, alive_tasks: &Gauge, heap_bytes: &Gauge) -> cr
     crate::http::Reply {
         status: http::StatusCode::OK,
         content_type: CONTENT_TYPE,
-        body: encode(registry),
+        headers: Vec::new(),
+        body: encode(registry).into(),
     }
 }
 

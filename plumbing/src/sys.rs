@@ -17,6 +17,16 @@ pub fn collect_freed_memory() {
     unsafe { libmimalloc_sys::mi_collect(false) }
 }
 
+/// As [`collect_freed_memory`], and also gives back the free memory
+/// mimalloc keeps cached for reuse: after a rare, large, short-lived use
+/// (a profile's symbol tables, tens of MiB) that cache would otherwise stay
+/// resident. Costs a pass over the process's segments: not for hot paths.
+pub fn give_back_cached_memory() {
+    // SAFETY: as in `collect_freed_memory`; `force` only makes mimalloc
+    // also purge its caches, under its own locks.
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}
+
 /// The most descriptors one packet carries (the kernel's limit is 253).
 pub const MAX_PASSED_FDS: usize = 8;
 
@@ -179,3 +189,5 @@ unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
         moved
     }
 }
+
+pub mod cpu_samples;

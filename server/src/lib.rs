@@ -188,7 +188,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let admin_task = konnectivity_plumbing::http::bind_admin(config.admin_addr, "admin-port")
         .await
         .map(|admin| {
-            let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints(endpoints.clone()));
+            let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints::new(
+                endpoints.clone(),
+                config.profiling,
+            ));
             tokio::spawn(konnectivity_plumbing::http::serve(Arc::new(admin), endpoints))
         });
     let health_task = tokio::spawn(konnectivity_plumbing::http::serve(Arc::new(health), endpoints));

@@ -26,6 +26,7 @@ mod node_capture;
 mod node_policy;
 mod partition;
 mod pod_capture;
+mod profiling;
 mod shutdown;
 mod soak;
 mod strategies;

@@ -214,6 +214,7 @@ async fn an_inert_flag_set_to_a_non_default_value_is_named_in_a_warning() {
     let (agent_port, health) = (free_port(), free_port());
     let mut args = server_args(dir.path(), &pki, agent_port, health, free_port());
     args.push("--enable-profiling".to_owned());
+    args.push("--enable-contention-profiling".to_owned());
     args.push("--skip-headers".to_owned());
     let server = Proc::spawn("proxy-server", &args, dir.path());
     wait_until(Duration::from_secs(10), "server /healthz 200", || async move {
@@ -221,13 +222,19 @@ async fn an_inert_flag_set_to_a_non_default_value_is_named_in_a_warning() {
     })
     .await;
     let log = server.log_text();
-    for flag in ["--enable-profiling", "--skip-headers"] {
+    for flag in ["--enable-contention-profiling", "--skip-headers"] {
         assert!(
             log.lines()
                 .any(|l| l.contains("has no effect") && l.contains(flag)),
             "no warning naming {flag}:\n{log}"
         );
     }
+    // Applied, so not reported.
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("has no effect") && l.contains("--enable-profiling")),
+        "{log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -174,8 +174,10 @@ const TAKEOVER_WAIT_LOG: Duration = Duration::from_secs(30);
 /// role owns the listener, as it is handed over with the rest.
 pub struct HealthService {
     pub addr: SocketAddr,
-    /// The admin listener's (`/metrics` only; see `AdminEndpoints`).
+    /// The admin listener's (see `AdminEndpoints`).
     pub admin_addr: SocketAddr,
+    /// `--enable-profiling`.
+    pub profiling: bool,
     pub endpoints: Arc<dyn konnectivity_plumbing::http::Endpoints>,
 }
 
@@ -549,7 +551,10 @@ impl NodeRole {
     ) -> NodeRole {
         let endpoints = health.endpoints;
         let admin = admin_listener.map(|listener| {
-            let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints(endpoints.clone()));
+            let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints::new(
+                endpoints.clone(),
+                health.profiling,
+            ));
             Serving::start(listener, |listener| {
                 konnectivity_plumbing::http::serve(listener, endpoints)
             })

@@ -40,6 +40,14 @@ pub fn grpc_go_client() -> Option<PathBuf> {
     go_program("kas_client", "google.golang.org/grpc")
 }
 
+/// Debian's Go toolchain, for `go tool pprof`.
+pub fn go_toolchain() -> Option<PathBuf> {
+    match Command::new("go").arg("version").output() {
+        Ok(output) if output.status.success() => Some(PathBuf::from("go")),
+        _ => missing("go (Debian's golang-go)"),
+    }
+}
+
 /// tests/go/metric_families.go: Go's Prometheus text parser (expfmt).
 pub fn go_metric_parser() -> Option<PathBuf> {
     go_program("metric_families", "github.com/prometheus/common/expfmt")

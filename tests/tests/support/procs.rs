@@ -164,6 +164,8 @@ pub struct Server {
     pub frontend: Frontend,
     pub agent_port: u16,
     pub health_port: u16,
+    /// `--admin-port`: /metrics, and /debug/pprof/ with --enable-profiling.
+    pub admin_port: u16,
     /// What it was started with, to start it again.
     binaries: Binaries,
     args: Vec<String>,
@@ -188,11 +190,12 @@ impl Server {
     ) -> Server {
         let agent_port = free_port();
         let health_port = free_port();
+        let admin_port = free_port();
         let mut args = vec![
             format!("--mode={mode}"),
             format!("--agent-port={agent_port}"),
             format!("--health-port={health_port}"),
-            format!("--admin-port={}", free_port()),
+            format!("--admin-port={admin_port}"),
             format!("--cluster-cert={}", pki.server.cert.display()),
             format!("--cluster-key={}", pki.server.key.display()),
             format!("--cluster-ca-cert={}", pki.ca.display()),
@@ -223,6 +226,7 @@ impl Server {
             frontend,
             agent_port,
             health_port,
+            admin_port,
             binaries: binaries.clone(),
             args,
             dir: dir.to_owned(),
