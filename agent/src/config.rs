@@ -672,7 +672,7 @@ impl Args {
     /// Upstream flags given a non-default value that this version accepts
     /// but does not act on; main logs each once.
     pub fn inert_settings(&self) -> Vec<&'static str> {
-        let mut inert: Vec<&'static str> = [
+        [
             ("xfr-channel-size", self.xfr_channel_size != 150),
             (
                 "kubeconfig",
@@ -686,9 +686,7 @@ impl Args {
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))
-        .collect();
-        inert.extend(self.klog.inert_settings());
-        inert
+        .collect()
     }
 }
 
@@ -715,7 +713,7 @@ mod tests {
     #[test]
     fn help_describes_every_flag_and_marks_every_inert_one() {
         use clap::CommandFactory;
-        let mut line = vec![
+        let line = vec![
             "proxy-agent",
             "--xfr-channel-size=5",
             "--kubeconfig=/x",
@@ -724,7 +722,6 @@ mod tests {
             "--enable-contention-profiling",
         ];
         let applied = ["--enable-profiling"];
-        line.extend(konnectivity_plumbing::klog::INERT_KLOG_SETTINGS);
         let inert = Args::try_parse_from(&line).unwrap().inert_settings();
         // Every flag set above but the applied ones is reported inert at
         // start-up...

@@ -52,8 +52,8 @@ fn main() -> anyhow::Result<()> {
         // listener, a certificate, the capture rules): one line, status 2,
         // as for a bad flag.
         let text = konnectivity_plumbing::error_chain(error.as_ref());
-        // The log file (if any) records why; standard error gets the one line.
-        if !args.klog.log_file.is_empty() {
+        // The log file records why; standard error gets the one line.
+        if args.klog.logs_to_files() {
             tracing::error!(error = %text, "proxy-agent stopped");
         }
         eprintln!("proxy-agent: {text}");

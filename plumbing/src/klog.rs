@@ -1,11 +1,15 @@
 //! klog's command-line flags, accepted so that upstream manifests run
-//! unchanged. `-v`, `--log-file`, `--logtostderr` and `--alsologtostderr`
-//! act; the others only format klog's own output and have no equivalent
-//! here, so a non-default value is reported once at start-up.
+//! unchanged, and applied as klog applies them: verbosity (`-v`,
+//! `--vmodule`), destinations (`--logtostderr`, `--log-file`, `--log-dir`
+//! and the thresholds), and the shape of text lines (`--skip-headers`,
+//! `--add-dir-header`, `--log-backtrace-at`). `crate::logging` does the work.
 
 use clap::{ArgAction, Args};
 
 use crate::flags::parse_bool;
+use crate::logging::filter::{VModule, Verbosity};
+use crate::logging::output::{Destinations, Severity};
+use crate::logging::{Header, Settings, SourceLine};
 
 #[derive(Args, Debug, Clone)]
 #[command(next_help_heading = "Logging (klog-compatible)")]
@@ -17,89 +21,126 @@ pub struct KlogArgs {
     /// Kubernetes components write it).
     #[arg(long, value_enum, default_value = "text")]
     pub logging_format: crate::logging::LogFormat,
-    /// klog's per-module verbosity. Not applied in this version (accepted for upstream compatibility).
-    #[arg(long, default_value = "")]
-    pub vmodule: String,
-    /// Log to standard error (the default).
+    /// Per-file verbosity, pattern=N,...: a pattern names Rust source files by base name without ".rs" (tunnel,
+    /// front*), and a file logs at the larger of -v and its N.
+    #[arg(long, value_parser = VModule::parse, default_value = "")]
+    pub vmodule: VModule,
+    /// Log to standard error instead of files (then --log-file, --log-dir, --alsologtostderr and the thresholds
+    /// have no effect, as in klog).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
     pub logtostderr: bool,
-    /// Log to standard error as well as to --log-file.
+    /// With --logtostderr=false: copy lines at or above --alsologtostderrthreshold to standard error.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub alsologtostderr: bool,
-    /// klog severity threshold for --alsologtostderr. Not applied in this version (accepted for upstream compatibility).
-    #[arg(long, default_value = "")]
-    pub alsologtostderrthreshold: String,
-    /// klog severity threshold for standard error. Not applied in this version (accepted for upstream compatibility).
-    #[arg(long, default_value = "2")]
-    pub stderrthreshold: String,
-    /// klog log directory. Not applied in this version (accepted for upstream compatibility): use --log-file.
+    /// Lines at or above this severity (INFO, WARNING, ERROR, FATAL or 0-3) go to standard error with
+    /// --alsologtostderr; empty is INFO.
+    #[arg(long, value_parser = parse_threshold_or_info, default_value = "")]
+    pub alsologtostderrthreshold: Severity,
+    /// With --logtostderr=false (and no --alsologtostderr): lines at or above this severity also go to standard
+    /// error; with --logtostderr, only when --legacy-stderr-threshold-behavior=false.
+    #[arg(long, value_parser = Severity::parse, default_value = "2")]
+    pub stderrthreshold: Severity,
+    /// With --logtostderr=false and no --log-file: write a file per severity here (PROGRAM.HOST.USER.log.SEVERITY.
+    /// DATE-TIME.PID, and a link PROGRAM.SEVERITY to the newest); empty is the system's temporary directory.
     #[arg(long, default_value = "")]
     pub log_dir: String,
-    /// Log to this file instead of standard error.
+    /// With --logtostderr=false: write every line to this file.
     #[arg(long, default_value = "")]
     pub log_file: String,
-    /// klog log file rotation size in MB. Not applied in this version (accepted for upstream compatibility).
+    /// Largest --log-file in MB; past it the file is emptied and written again (0: no limit).
     #[arg(long, default_value_t = 1800)]
     pub log_file_max_size: u64,
-    /// klog stack trace trigger. Not applied in this version (accepted for upstream compatibility).
-    #[arg(long, default_value = ":0")]
-    pub log_backtrace_at: String,
-    /// klog: write each severity to its own file only. Not applied in this version (accepted for upstream compatibility).
+    /// When a line is logged from FILE.rs:LINE, write the stack that logged it after it.
+    #[arg(long, value_parser = parse_backtrace_at, default_value = ":0")]
+    pub log_backtrace_at: BacktraceAt,
+    /// In --log-dir, write each line to its own severity's file only (not also to each lower one's).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub one_output: bool,
-    /// klog: omit the header of each line. Not applied in this version (accepted for upstream compatibility).
+    /// Write text lines without klog's header (severity, time, pid, file:line).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub skip_headers: bool,
-    /// klog: omit the header of log files. Not applied in this version (accepted for upstream compatibility).
+    /// Do not write klog's four header lines at the top of a new log file.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub skip_log_headers: bool,
-    /// klog: put the source directory in the header. Not applied in this version (accepted for upstream compatibility).
+    /// Put the source file's directory in the header of text lines (capture/mod.rs:12).
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
     pub add_dir_header: bool,
-    /// klog: apply --stderrthreshold only with --logtostderr=false. Not applied in this version (accepted for upstream compatibility).
+    /// Ignore --stderrthreshold when --logtostderr is set (klog's legacy behaviour); false filters standard error
+    /// by it.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
     pub legacy_stderr_threshold_behavior: bool,
 }
 
+/// `--log-backtrace-at`'s value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BacktraceAt(pub Option<SourceLine>);
+
+fn parse_backtrace_at(text: &str) -> Result<BacktraceAt, String> {
+    SourceLine::parse(text).map(BacktraceAt)
+}
+
+/// `--alsologtostderrthreshold`: empty (what upstream's help shows as the
+/// default) is klog's default, INFO.
+fn parse_threshold_or_info(text: &str) -> Result<Severity, String> {
+    if text.is_empty() {
+        Ok(Severity::Info)
+    } else {
+        Severity::parse(text)
+    }
+}
+
 impl KlogArgs {
-    /// The klog flags set to something other than their default, which this
-    /// implementation does not act on.
-    pub fn inert_settings(&self) -> Vec<&'static str> {
-        [
-            ("vmodule", !self.vmodule.is_empty()),
-            (
-                "alsologtostderrthreshold",
-                !self.alsologtostderrthreshold.is_empty(),
-            ),
-            ("stderrthreshold", self.stderrthreshold != "2"),
-            ("log-dir", !self.log_dir.is_empty()),
-            ("log-file-max-size", self.log_file_max_size != 1800),
-            ("log-backtrace-at", self.log_backtrace_at != ":0"),
-            ("one-output", self.one_output),
-            ("skip-headers", self.skip_headers),
-            ("skip-log-headers", self.skip_log_headers),
-            ("add-dir-header", self.add_dir_header),
-            (
-                "legacy-stderr-threshold-behavior",
-                !self.legacy_stderr_threshold_behavior,
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(name, set)| set.then_some(name))
-        .collect()
+    /// What these flags ask of logging.
+    pub fn settings(&self) -> Settings {
+        let header = if self.skip_headers {
+            Header::None
+        } else if self.add_dir_header {
+            Header::WithDirectory
+        } else {
+            Header::FileName
+        };
+        let path = |text: &str| (!text.is_empty()).then(|| std::path::PathBuf::from(text));
+        Settings {
+            verbosity: Verbosity {
+                global: self.verbosity,
+                vmodule: self.vmodule.clone(),
+            },
+            format: self.logging_format,
+            header,
+            backtrace_at: self.log_backtrace_at.0.clone(),
+            destinations: Destinations {
+                to_stderr: self.logtostderr,
+                also_to_stderr: self.alsologtostderr,
+                stderr_threshold: self.stderrthreshold,
+                also_to_stderr_threshold: self.alsologtostderrthreshold,
+                legacy_stderr_threshold_behavior: self.legacy_stderr_threshold_behavior,
+                log_file: path(&self.log_file),
+                log_file_max_bytes: (self.log_file_max_size > 0)
+                    .then(|| self.log_file_max_size.saturating_mul(1024 * 1024)),
+                log_dir: path(&self.log_dir),
+                one_output: self.one_output,
+                skip_log_headers: self.skip_log_headers,
+            },
+        }
     }
 
     /// Installs logging as these flags ask.
     pub fn init_logging(&self) -> std::io::Result<()> {
-        let file = (!self.log_file.is_empty()).then(|| std::path::PathBuf::from(&self.log_file));
-        crate::logging::init(self.verbosity, self.logging_format, file.as_deref())
+        crate::logging::init(self.settings())
+    }
+
+    /// Whether lines go to files (`--logtostderr=false`): then a binary
+    /// that stops logs why there too, besides its one line on standard
+    /// error.
+    pub fn logs_to_files(&self) -> bool {
+        !self.logtostderr
     }
 }
 
@@ -157,19 +198,3 @@ pub fn help_problems(command: &clap::Command, inert: &[&str]) -> Vec<String> {
     }
     problems
 }
-
-/// Command-line values for every klog flag that this implementation
-/// accepts without acting on it, for the binaries' help tests.
-pub const INERT_KLOG_SETTINGS: &[&str] = &[
-    "--vmodule=session=4",
-    "--alsologtostderrthreshold=1",
-    "--stderrthreshold=1",
-    "--log-dir=/tmp",
-    "--log-file-max-size=5",
-    "--log-backtrace-at=session.go:1",
-    "--one-output",
-    "--skip-headers",
-    "--skip-log-headers",
-    "--add-dir-header",
-    "--legacy-stderr-threshold-behavior=false",
-];

@@ -9,18 +9,27 @@
 //!   `{"ts":1764748044.148937,"caller":"grpc.rs:282","msg":"…","v":0,"key":"value"}`
 //!   (`"err"` for errors, as it writes them).
 //!
-//! klog's `-v` maps onto levels: 0-1 info, 2-4 debug, 5+ trace; `RUST_LOG`,
-//! when set, wins.
+//! klog's `-v` maps onto levels: 0-1 info, 2-4 debug, 5+ trace, and
+//! `--vmodule` raises it per file ([`filter`]); `RUST_LOG`, when set, wins.
+//! Where lines go follows klog's flags ([`output`]); so do `--skip-headers`,
+//! `--add-dir-header` and `--log-backtrace-at`, which shape text lines.
+
+pub mod filter;
+pub mod output;
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer;
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields};
+use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// `--logging-format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -29,32 +38,82 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global subscriber.
-pub fn init(verbosity: u32, format: LogFormat, log_file: Option<&std::path::Path>) -> std::io::Result<()> {
-    let level = match verbosity {
-        0..=1 => "info",
-        2..=4 => "debug",
-        _ => "trace",
-    };
-    // h2 and hyper are very chatty at debug; keep them at info unless asked.
-    let default = format!("{level},h2=info,hyper=info,tower=info,rustls=info");
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+/// Everything the klog flags set about logging.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub verbosity: filter::Verbosity,
+    pub format: LogFormat,
+    pub header: Header,
+    /// `--log-backtrace-at`.
+    pub backtrace_at: Option<SourceLine>,
+    pub destinations: output::Destinations,
+}
+
+/// How a text line's klog header is written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Header {
+    #[default]
+    FileName,
+    /// `--add-dir-header`: the file's directory too (`capture/mod.rs:12]`).
+    WithDirectory,
+    /// `--skip-headers`: no header at all, the message first.
+    None,
+}
+
+/// A place in the source, `file.rs:LINE` (`--log-backtrace-at`): a line
+/// logged from there is followed by the stack that logged it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceLine {
+    file: String,
+    line: u32,
+}
+
+impl SourceLine {
+    /// klog's syntax; empty or `:0` (the default) is none.
+    pub fn parse(text: &str) -> Result<Option<SourceLine>, String> {
+        if text.is_empty() || text == ":0" {
+            return Ok(None);
+        }
+        let wanted = || format!("want FILE.rs:LINE (the file's base name, a line above 0), got {text:?}");
+        let (file, line) = text.split_once(':').ok_or_else(wanted)?;
+        let line: u32 = line.parse().map_err(|_| wanted())?;
+        if !file.contains('.') || file.contains(['/', ':']) || line == 0 {
+            return Err(wanted());
+        }
+        Ok(Some(SourceLine {
+            file: file.to_owned(),
+            line,
+        }))
+    }
+
+    fn is(&self, file: &str, line: u32) -> bool {
+        self.line == line && self.file == file
+    }
+}
+
+/// Installs the global subscriber. Fails only when `--log-file` cannot be
+/// opened for writing (the error names it).
+pub fn init(settings: Settings) -> std::io::Result<()> {
+    let output = Arc::new(output::Output::open(settings.destinations)?);
+    let layer = tracing_subscriber::fmt::layer()
         .with_ansi(false)
         // Span fields are kept as JSON objects, so both formats can write
         // them as the event's own (see `KubernetesFormat`).
         .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
         .event_format(KubernetesFormat {
-            format,
+            format: settings.format,
             pid: std::process::id(),
-        });
-    match log_file {
-        Some(path) => {
-            let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-            builder.with_writer(std::sync::Mutex::new(file)).init();
-        }
-        None => builder.with_writer(std::io::stderr).init(),
+            header: settings.header,
+            backtrace_at: settings.backtrace_at,
+        })
+        .with_writer(output::OutputWriter(output));
+    match EnvFilter::try_from_default_env() {
+        Ok(filter) => tracing_subscriber::registry()
+            .with(layer.with_filter(filter))
+            .init(),
+        Err(_) => tracing_subscriber::registry()
+            .with(layer.with_filter(settings.verbosity))
+            .init(),
     }
     Ok(())
 }
@@ -63,6 +122,8 @@ pub fn init(verbosity: u32, format: LogFormat, log_file: Option<&std::path::Path
 struct KubernetesFormat {
     format: LogFormat,
     pid: u32,
+    header: Header,
+    backtrace_at: Option<SourceLine>,
 }
 
 impl<S, N> FormatEvent<S, N> for KubernetesFormat
@@ -77,10 +138,20 @@ where
         event: &Event<'_>,
     ) -> fmt::Result {
         let meta = event.metadata();
-        let file = meta
-            .file()
-            .map_or("?", |path| path.rsplit('/').next().unwrap_or(path));
+        let path = meta.file().unwrap_or("?");
+        let file = path.rsplit('/').next().unwrap_or(path);
         let line = meta.line().unwrap_or(0);
+        let backtrace = self
+            .backtrace_at
+            .as_ref()
+            .filter(|at| at.is(file, line))
+            .map(|_| {
+                stack_from(
+                    &std::backtrace::Backtrace::force_capture().to_string(),
+                    file,
+                    line,
+                )
+            });
         let mut fields = Fields::default();
         event.record(&mut fields);
         // The fields of the spans the event is in (a tunnel's ids, a server
@@ -119,17 +190,28 @@ where
                     _ => 'I',
                 };
                 let civil = Civil::from_unix(now.as_secs());
-                write!(
-                    writer,
-                    "{severity}{:02}{:02} {:02}:{:02}:{:02}.{:06} {:>7} {file}:{line}] ",
-                    civil.month,
-                    civil.day,
-                    civil.hour,
-                    civil.minute,
-                    civil.second,
-                    now.subsec_micros(),
-                    self.pid,
-                )?;
+                // klog's --add-dir-header adds the one directory above.
+                let file = match self.header {
+                    Header::WithDirectory => path
+                        .rsplitn(3, '/')
+                        .collect::<Vec<_>>()
+                        .get(..2)
+                        .map_or(file.to_owned(), |parts| format!("{}/{}", parts[1], parts[0])),
+                    _ => file.to_owned(),
+                };
+                if self.header != Header::None {
+                    write!(
+                        writer,
+                        "{severity}{:02}{:02} {:02}:{:02}:{:02}.{:06} {:>7} {file}:{line}] ",
+                        civil.month,
+                        civil.day,
+                        civil.hour,
+                        civil.minute,
+                        civil.second,
+                        now.subsec_micros(),
+                        self.pid,
+                    )?;
+                }
                 write_quoted(&mut writer, &fields.message)?;
                 let own = fields.values.iter().map(|(key, value)| (*key, value));
                 let spans = context.iter().map(|(key, value)| (key.as_str(), value));
@@ -140,7 +222,11 @@ where
                         Value::Text(text) => write_quoted(&mut writer, text)?,
                     }
                 }
-                writeln!(writer)
+                writeln!(writer)?;
+                match backtrace {
+                    Some(backtrace) => writeln!(writer, "{backtrace}"),
+                    None => Ok(()),
+                }
             }
             LogFormat::Json => {
                 let mut object = serde_json::Map::new();
@@ -170,9 +256,34 @@ where
                     };
                     object.insert(key, value);
                 }
+                if let Some(backtrace) = backtrace {
+                    object.insert("stacktrace".into(), backtrace.into());
+                }
                 writeln!(writer, "{}", serde_json::Value::Object(object))
             }
         }
+    }
+}
+
+/// The printed stack `backtrace` from the frame at `file:line` outwards:
+/// the frames inside the logging machinery above it say nothing about the
+/// caller. Without line tables (the image's binaries) no frame can be found
+/// by its line, and the whole stack is kept.
+fn stack_from(backtrace: &str, file: &str, line: u32) -> String {
+    let lines: Vec<&str> = backtrace.lines().collect();
+    let is_frame_start = |text: &str| {
+        let text = text.trim_start();
+        text.split_once(": ")
+            .is_some_and(|(number, _)| !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let location = format!("/{file}:{line}:");
+    let start = lines
+        .iter()
+        .position(|text| text.trim_start().starts_with("at ") && text.contains(&location))
+        .and_then(|at| lines[..at].iter().rposition(|text| is_frame_start(text)));
+    match start {
+        Some(start) => lines[start..].join("\n"),
+        None => backtrace.trim_end().to_owned(),
     }
 }
 
@@ -330,7 +441,12 @@ mod tests {
             .with_ansi(false)
             .with_max_level(tracing::Level::DEBUG)
             .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
-            .event_format(KubernetesFormat { format, pid: 1 })
+            .event_format(KubernetesFormat {
+                format,
+                pid: 1,
+                header: Header::FileName,
+                backtrace_at: None,
+            })
             .with_writer(move || writer.clone())
             .finish();
         tracing::subscriber::with_default(subscriber, || {

@@ -32,8 +32,8 @@ fn main() -> anyhow::Result<()> {
         let starting = error
             .downcast_ref::<konnectivity_server::ServeError>()
             .is_some_and(konnectivity_server::ServeError::at_start_up);
-        // The log file (if any) records why; standard error gets the one line.
-        if !args.klog.log_file.is_empty() {
+        // The log file records why; standard error gets the one line.
+        if args.klog.logs_to_files() {
             tracing::error!(error = %konnectivity_plumbing::error_chain(error.as_ref()), "proxy-server stopped");
         }
         eprintln!(

@@ -299,3 +299,178 @@ async fn every_tunnel_is_logged_at_v2_on_both_sides_with_the_ids_that_tie_them()
         }
     }
 }
+
+/// Starts a server with `flags` and returns what it wrote to standard error
+/// once it is up (it writes nothing to standard output).
+async fn server_stderr(dir: &std::path::Path, flags: &[String]) -> String {
+    let pki = crate::support::certs::Pki::new(dir);
+    let server = crate::support::procs::Server::start(dir, &pki, "http-connect", true, flags).await;
+    server.proc.log_text()
+}
+
+fn flags(list: &[&str]) -> Vec<String> {
+    list.iter().map(|flag| flag.to_string()).collect()
+}
+
+/// klog's destinations as upstream's own manifests use them: kind's
+/// (`--log-file` with `--logtostderr=true`: standard error only, no file)
+/// and the Kubernetes documentation's (`--logtostderr=false`: the file,
+/// and standard error for errors only), `--alsologtostderr`, and
+/// `--log-dir`'s file per severity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_lines_go_where_klog_sends_them() {
+    let dir = crate::support::TempDir::new("konn-klog");
+    let path = |name: &str| dir.path().join(name);
+    let started = "\"proxy-server started\"";
+
+    // kind's example manifest: klog ignores the file when logging to stderr.
+    let kind_file = path("kind.log");
+    let stderr = server_stderr(
+        dir.path(),
+        &flags(&[
+            &format!("--log-file={}", kind_file.display()),
+            "--logtostderr=true",
+            "--log-file-max-size=0",
+        ]),
+    )
+    .await;
+    assert!(stderr.contains(started), "{stderr}");
+    assert!(
+        !kind_file.exists(),
+        "klog writes no --log-file with --logtostderr=true"
+    );
+
+    // The Kubernetes documentation's: the file has every line after klog's
+    // file header; standard error has none below ERROR.
+    let docs_file = path("docs.log");
+    let stderr = server_stderr(
+        dir.path(),
+        &flags(&[
+            &format!("--log-file={}", docs_file.display()),
+            "--logtostderr=false",
+            "--log-file-max-size=0",
+        ]),
+    )
+    .await;
+    let file = std::fs::read_to_string(&docs_file).unwrap();
+    assert!(file.starts_with("Log file created at: "), "{file}");
+    assert!(file.contains(started), "{file}");
+    assert!(file.lines().skip(4).all(is_klog_line), "{file}");
+    assert!(
+        stderr.lines().all(|line| !line.starts_with(['I', 'W'])),
+        "below ERROR on standard error:\n{stderr}"
+    );
+
+    // --alsologtostderr: both.
+    let also_file = path("also.log");
+    let stderr = server_stderr(
+        dir.path(),
+        &flags(&[
+            &format!("--log-file={}", also_file.display()),
+            "--logtostderr=false",
+            "--alsologtostderr",
+        ]),
+    )
+    .await;
+    assert!(stderr.contains(started), "{stderr}");
+    assert!(std::fs::read_to_string(&also_file).unwrap().contains(started));
+
+    // --log-dir: a file per severity; an inert flag's warning is in the
+    // WARNING file and, without --one-output, in the INFO file too.
+    for one_output in [false, true] {
+        let logs = path(&format!("logs-{one_output}"));
+        std::fs::create_dir_all(&logs).unwrap();
+        server_stderr(
+            dir.path(),
+            &flags(&[
+                &format!("--log-dir={}", logs.display()),
+                "--logtostderr=false",
+                "--xfr-channel-size=5",
+                &format!("--one-output={one_output}"),
+            ]),
+        )
+        .await;
+        let read = |tag: &str| std::fs::read_to_string(logs.join(format!("proxy-server.{tag}")));
+        let info = read("INFO").expect("INFO file");
+        let warning = read("WARNING").expect("WARNING file");
+        assert!(info.contains(started), "{info}");
+        let inert_warning = "has no effect in this version\" flag=\"--xfr-channel-size\"";
+        assert!(warning.contains(inert_warning), "{warning}");
+        assert!(!warning.contains(started), "{warning}");
+        assert_eq!(info.contains(inert_warning), !one_output, "{info}");
+        assert!(
+            read("ERROR").is_err(),
+            "an ERROR file with no error: {:?}",
+            read("ERROR")
+        );
+    }
+}
+
+/// The flags that shape text lines: `--skip-headers`, `--add-dir-header`,
+/// `--vmodule` (one file's debug lines at -v=0) and `--log-backtrace-at`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn klog_line_flags_shape_the_lines() {
+    let dir = crate::support::TempDir::new("konn-klog-lines");
+    // The open files limit is logged at debug from klog.rs.
+    let debug_line = "\"open files limit\"";
+
+    // -v given, so the harness sets no RUST_LOG (which would win).
+    let plain = server_stderr(dir.path(), &flags(&["-v=0"])).await;
+    assert!(!plain.contains(debug_line), "{plain}");
+
+    let bare = server_stderr(
+        dir.path(),
+        &flags(&["-v=0", "--skip-headers", "--vmodule=klog=2"]),
+    )
+    .await;
+    assert!(
+        bare.lines()
+            .any(|line| line == "\"proxy-server started\"" || line.starts_with("\"proxy-server started\" ")),
+        "{bare}"
+    );
+    assert!(bare.lines().all(|line| line.starts_with('"')), "{bare}");
+    assert!(
+        bare.contains(debug_line),
+        "--vmodule=klog=2 did not raise klog.rs:\n{bare}"
+    );
+
+    let with_dir = server_stderr(dir.path(), &flags(&["-v=0", "--add-dir-header"])).await;
+    let flag_line = with_dir
+        .lines()
+        .find(|line| line.contains("\"FLAG: --"))
+        .unwrap_or_else(|| panic!("no FLAG line:\n{with_dir}"));
+    // `src/flags.rs:NNN]`: the directory, then the line the flags are logged from.
+    let at = flag_line
+        .split_once(" src/flags.rs:")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(line, _)| line.to_owned())
+        .unwrap_or_else(|| panic!("no directory in the header: {flag_line}"));
+
+    let traced = server_stderr(
+        dir.path(),
+        &flags(&["-v=0", &format!("--log-backtrace-at=flags.rs:{at}")]),
+    )
+    .await;
+    // Each FLAG line is followed by the stack from the logging call out:
+    // its first frame is at flags.rs, the next the caller's.
+    let after_flag: Vec<&str> = traced
+        .lines()
+        .skip_while(|line| !line.contains("\"FLAG: --"))
+        .skip(1)
+        .take(4)
+        .collect();
+    assert!(
+        after_flag.len() == 4
+            && after_flag[0]
+                .trim_start()
+                .split_once(": ")
+                .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+            && after_flag[1].contains(&format!("src/flags.rs:{at}:"))
+            && after_flag[3].contains("src/klog.rs:"),
+        "no stack from flags.rs:{at} after the FLAG line: {after_flag:#?}\n{traced}"
+    );
+    assert!(
+        !traced.contains("tracing_subscriber"),
+        "the logging machinery's frames: {traced}"
+    );
+}

@@ -112,6 +112,45 @@ async fn go_tool_pprof_reads_a_cpu_profile_of_a_busy_server_with_its_function_na
         "heap {heap_before} bytes before the profile, {heap_after} after"
     );
 
+    // The agent serves the same on its admin port (a flag given twice
+    // takes the last value, as with pflag).
+    let agent_admin = crate::support::free_port();
+    let _agent = crate::support::procs::Agent::start_from(
+        &binaries,
+        dir.path(),
+        &pki,
+        server.agent_port,
+        "profiled-agent",
+        &[
+            format!("--admin-server-port={agent_admin}"),
+            "--enable-profiling".to_owned(),
+        ],
+    );
+    server.wait_backends(1).await;
+    let (status, cmdline) = http_get(agent_admin, "/debug/pprof/cmdline").await.unwrap();
+    assert_eq!(status, 200);
+    assert!(cmdline.contains("proxy-agent\0"), "{cmdline:?}");
+    // The profile is binary (protobuf): read it as bytes.
+    let profile = {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", agent_admin))
+            .await
+            .unwrap();
+        stream
+            .write_all(b"GET /debug/pprof/profile?seconds=1 HTTP/1.0\r\nHost: localhost\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await.unwrap();
+        response
+    };
+    assert!(profile.starts_with(b"HTTP/1.0 200") || profile.starts_with(b"HTTP/1.1 200"));
+    assert!(
+        String::from_utf8_lossy(&profile).contains("application/octet-stream"),
+        "{}",
+        String::from_utf8_lossy(&profile)
+    );
+
     // Off by default, as upstream: the admin port has /metrics only.
     let plain = Server::start_from(&binaries, dir.path(), &pki, "http-connect", true, &[]).await;
     let (status, _) = http_get(plain.admin_port, "/debug/pprof/profile?seconds=1")

@@ -215,14 +215,14 @@ async fn an_inert_flag_set_to_a_non_default_value_is_named_in_a_warning() {
     let mut args = server_args(dir.path(), &pki, agent_port, health, free_port());
     args.push("--enable-profiling".to_owned());
     args.push("--enable-contention-profiling".to_owned());
-    args.push("--skip-headers".to_owned());
+    args.push("--frontend-write-channel-size=5".to_owned());
     let server = Proc::spawn("proxy-server", &args, dir.path());
     wait_until(Duration::from_secs(10), "server /healthz 200", || async move {
         status(health, "/healthz").await == 200
     })
     .await;
     let log = server.log_text();
-    for flag in ["--enable-contention-profiling", "--skip-headers"] {
+    for flag in ["--enable-contention-profiling", "--frontend-write-channel-size"] {
         assert!(
             log.lines()
                 .any(|l| l.contains("has no effect") && l.contains(flag)),
