@@ -115,7 +115,8 @@ pub struct Args {
     /// kubeconfig for counting Leases; empty uses the pod's ServiceAccount. Not applied without --count-server-leases.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility).
+    /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): requests
+    /// are JSON, which kube-apiserver serves for Leases as it does protobuf.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
     /// Serve /debug/pprof/ on the admin port: a CPU profile (/debug/pprof/profile?seconds=N) in pprof's format, and the
