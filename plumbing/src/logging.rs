@@ -369,6 +369,12 @@ struct Civil {
 }
 
 impl Civil {
+    /// The current UTC time, to the second.
+    fn now() -> Civil {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        Civil::from_unix(now.as_secs())
+    }
+
     /// Howard Hinnant's days-to-civil algorithm (proleptic Gregorian).
     fn from_unix(seconds: u64) -> Civil {
         let days = (seconds / 86_400) as i64 + 719_468;

@@ -294,10 +294,7 @@ impl LogFile {
         if self.skip_header {
             return Ok(());
         }
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        let civil = Civil::from_unix(now.as_secs());
+        let civil = Civil::now();
         let header = format!(
             "Log file created at: {:04}/{:02}/{:02} {:02}:{:02}:{:02}\n\
              Running on machine: {}\n\
@@ -386,10 +383,7 @@ impl FileNames {
         skip_header: bool,
         startup: bool,
     ) -> Result<LogFile, String> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        let civil = Civil::from_unix(now.as_secs());
+        let civil = Civil::now();
         let name = format!(
             "{}.{}.{}.log.{tag}.{:04}{:02}{:02}-{:02}{:02}{:02}.{}",
             self.program,

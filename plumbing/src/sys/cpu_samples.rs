@@ -17,7 +17,7 @@
 //! lock in `dl_iterate_phdr`, and a sample landing inside `dlopen` could
 //! then wait forever. The binaries never load libraries after start.
 
-use std::sync::Once;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 use nix::libc;
@@ -60,7 +60,8 @@ static RECORDING: AtomicBool = AtomicBool::new(false);
 static IN_USE: AtomicBool = AtomicBool::new(false);
 /// Samples dropped because their slot was not drained yet.
 static LOST: AtomicU64 = AtomicU64::new(0);
-static INSTALL_HANDLER: Once = Once::new();
+/// Whether the handler is installed (tried once).
+static HANDLER: OnceLock<nix::Result<()>> = OnceLock::new();
 
 /// Why sampling could not start.
 #[derive(Debug, thiserror::Error)]
@@ -89,9 +90,11 @@ impl CpuSampling {
             return Err(SamplingError::InUse);
         }
         let sampling = CpuSampling(());
-        let mut installed = Ok(());
-        INSTALL_HANDLER.call_once(|| installed = install_handler());
-        installed.map_err(SamplingError::Handler)?;
+        // Installed once, and never armed without it: SIGPROF's default
+        // action ends the process.
+        HANDLER
+            .get_or_init(install_handler)
+            .map_err(SamplingError::Handler)?;
         // Whatever a previous profile left unread is not this one's.
         for slot in &RING {
             if slot.state.load(Ordering::Acquire) == FULL {
