@@ -68,7 +68,7 @@ go_clients=(--go-client "$work/connect-client")
 # (golang-google-grpc-dev; GOPATH mode, nothing downloaded).
 if [[ -d /usr/share/gocode/src/google.golang.org/grpc ]]; then
   (cd bench/go && GO111MODULE=off GOPATH=/usr/share/gocode GOFLAGS= GOCACHE="$work/go-cache" \
-    go build -tags grpc -o "$work/grpc-client" connect-client.go grpc_tunnel.go)
+    go build -tags grpc -o "$work/grpc-client" connect-client.go grpc_tunnel.go null_server.go)
   go_clients+=(--go-grpc-client "$work/grpc-client")
 else
   echo "hack/bench.sh: golang-google-grpc-dev not installed: no Go gRPC figures" >&2

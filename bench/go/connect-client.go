@@ -210,8 +210,15 @@ func download() (map[string]float64, error) {
 	return map[string]float64{"bytes_per_second": float64(*bytes) / time.Since(started).Seconds()}, nil
 }
 
+// serveNull serves the null gRPC server instead of measuring, when the
+// client is built with null_server.go and -serve-null-grpc is set.
+var serveNull = func() bool { return false }
+
 func main() {
 	flag.Parse()
+	if serveNull() {
+		return
+	}
 	measurements := map[string]func() (map[string]float64, error){
 		"rtt": rtt, "dial": dial, "upload": upload, "download": download,
 	}

@@ -115,7 +115,7 @@ func (p *received) payloadFields(payload protowire.Number, b []byte) error {
 			switch {
 			case payload == 3 && num == 2, payload == 4 && num == 1:
 				p.connectID = int64(v)
-			case payload == 3 && num == 3:
+			case (payload == 2 || payload == 3) && num == 3: // DIAL_REQ's and DIAL_RSP's random
 				p.random = int64(v)
 			}
 			continue
@@ -137,7 +137,7 @@ func (p *received) payloadFields(payload protowire.Number, b []byte) error {
 
 // tunnel is one tunneled connection on a ClientConn of its own.
 type tunnel struct {
-	net.Conn // only for the methods the measurements do not use
+	net.Conn  // only for the methods the measurements do not use
 	cc        *grpc.ClientConn
 	stream    grpc.ClientStream
 	connectID int64

@@ -159,12 +159,23 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     for route in Route::for_stack(&connect).await? {
         routes.push((route, true));
     }
+    let _null_server = match (&args.go_grpc_client, args.wants("go")) {
+        (Some(client), true) => {
+            let (server, uds) = stack::start_null_grpc(&layout, client).await?;
+            routes.push((Route::GrpcNull { uds }, false));
+            Some(server)
+        }
+        _ => None,
+    };
     let mut table = Table::default();
     for (route, tunneled) in &routes {
         eprintln!("== {}", route.name());
-        let mut figures = measure(&args, route, *tunneled, &targets)
-            .await
-            .with_context(|| format!("measuring {}", route.name()))?;
+        let mut figures = match route {
+            Route::GrpcNull { .. } => Figures::default(),
+            _ => measure(&args, route, *tunneled, &targets)
+                .await
+                .with_context(|| format!("measuring {}", route.name()))?,
+        };
         measure_with_go(&args, route, &targets, &mut figures)
             .await
             .with_context(|| format!("measuring {} with the Go client", route.name()))?;
@@ -235,9 +246,13 @@ async fn measure_with_go(
     let (client, via) = match route {
         Route::Direct => (&args.go_client, None),
         Route::HttpConnect { uds } => (&args.go_client, Some(("proxy-uds", uds.as_path()))),
-        Route::Grpc { uds } => (&args.go_grpc_client, Some(("grpc-uds", uds.as_path()))),
+        Route::Grpc { uds } | Route::GrpcNull { uds } => {
+            (&args.go_grpc_client, Some(("grpc-uds", uds.as_path())))
+        }
         Route::Relays { .. } | Route::GrpcShared { .. } => return Ok(()),
     };
+    // The null server echoes DATA itself: round trips and dials only.
+    let bulk = !matches!(route, Route::GrpcNull { .. });
     let Some(client) = client else {
         return Ok(());
     };
@@ -245,12 +260,16 @@ async fn measure_with_go(
     let bytes = vec![format!("-bytes={}", args.bytes)];
     for run in 0..args.runs {
         eprintln!("   Go client, run {} of {}", run + 1, args.runs);
-        let up = go_to(targets.sink)
-            .figure("upload", &bytes, "bytes_per_second")
-            .await?;
-        let down = go_to(targets.source)
-            .figure("download", &bytes, "bytes_per_second")
-            .await?;
+        if bulk {
+            let up = go_to(targets.sink)
+                .figure("upload", &bytes, "bytes_per_second")
+                .await?;
+            let down = go_to(targets.source)
+                .figure("download", &bytes, "bytes_per_second")
+                .await?;
+            figures.go.upload.push(up);
+            figures.go.download.push(down);
+        }
         let count = vec![format!("-count={}", args.round_trips)];
         let rtt = go_to(targets.echo)
             .figures("rtt", &count, &["p50_us", "p99_us"])
@@ -260,8 +279,6 @@ async fn measure_with_go(
             .figures("dial", &count, &["per_second", "p50_us"])
             .await?;
         let measured = &mut figures.go;
-        measured.upload.push(up);
-        measured.download.push(down);
         measured.rtt_p50_us.push(rtt[0]);
         measured.rtt_p99_us.push(rtt[1]);
         measured.dials_per_second.push(dial[0]);

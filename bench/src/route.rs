@@ -39,6 +39,10 @@ pub enum Route {
     /// gRPC as newer clients use it: one HTTP/2 connection, one stream per
     /// tunneled connection.
     GrpcShared { tunnel: Tunnel },
+    /// grpc-go's own server answering single-use tunnels alone, no agent and
+    /// no target (`bench/go/null_server.go`): the ceiling of any gRPC
+    /// frontend for the Go gRPC client, which alone measures it.
+    GrpcNull { uds: PathBuf },
 }
 
 impl Route {
@@ -49,6 +53,7 @@ impl Route {
             Route::HttpConnect { .. } => "connect",
             Route::Grpc { .. } => "grpc",
             Route::GrpcShared { .. } => "grpc, one connection",
+            Route::GrpcNull { .. } => "grpc-go null server",
         }
     }
 
@@ -116,6 +121,7 @@ impl Route {
                 }))
             }
             Route::GrpcShared { tunnel } => Ok(Box::new(tunnel.dial(&target.to_string()).await?)),
+            Route::GrpcNull { .. } => bail!("the null gRPC server is measured by the Go client only"),
         }
     }
 }

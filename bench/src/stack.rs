@@ -124,6 +124,30 @@ pub fn start_relays(layout: &Layout) -> anyhow::Result<(Vec<Proc>, SocketAddr)> 
     Ok((vec![first, second], port(line)?))
 }
 
+/// The null gRPC server (`bench/go/null_server.go`, in the Go gRPC
+/// client's binary) on a Unix socket of the run's; ready once the socket
+/// exists.
+pub async fn start_null_grpc(layout: &Layout, go_grpc_client: &Path) -> anyhow::Result<(Proc, PathBuf)> {
+    let uds = layout.work.join("null-grpc.sock");
+    let _ = std::fs::remove_file(&uds);
+    let server = spawn(
+        layout,
+        "null-grpc",
+        go_grpc_client,
+        &[format!("-serve-null-grpc={}", uds.display())],
+    )?;
+    for _ in 0..200 {
+        if uds.exists() {
+            return Ok((server, uds));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    bail!(
+        "the null gRPC server did not listen on {} within 10 s",
+        uds.display()
+    )
+}
+
 /// A port free at the time of asking.
 pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
