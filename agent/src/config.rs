@@ -115,8 +115,8 @@ pub struct Args {
     /// kubeconfig for counting Leases; empty uses the pod's ServiceAccount. Not applied without --count-server-leases.
     #[arg(long, default_value = "")]
     pub kubeconfig: String,
-    /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): requests
-    /// are JSON, which kube-apiserver serves for Leases as it does protobuf.
+    /// Content type of requests to kube-apiserver. Not applied (accepted for upstream compatibility): requests are JSON, so
+    /// that every field kube-apiserver sends is read as sent, those this version does not know included.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
     /// Serve /debug/pprof/ on the admin port: a CPU profile (/debug/pprof/profile?seconds=N) in pprof's format, and the

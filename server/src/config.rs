@@ -146,8 +146,9 @@ pub struct Args {
     /// Requests to kube-apiserver that may go at once before --kubeconfig-qps applies; 0 means client-go's default, 10.
     #[arg(long, default_value_t = 0)]
     pub kubeconfig_burst: u32,
-    /// Content type of requests to kube-apiserver. Not applied in this version (accepted for upstream compatibility): requests
-    /// are JSON, which kube-apiserver serves for Leases and TokenReviews as it does protobuf.
+    /// Content type of requests to kube-apiserver. Not applied (accepted for upstream compatibility): requests are JSON, so
+    /// that a Lease update carries back every field kube-apiserver sent, those this version does not know included,
+    /// where a protobuf decoder without them would drop them and the update erase them.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
     /// TLS 1.2 cipher suites every TLS listener offers, Go's names, comma-separated (as Go,
