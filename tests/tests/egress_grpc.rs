@@ -339,8 +339,11 @@ async fn an_http_connect_client_on_the_grpc_frontend_is_told_the_mode() {
 /// single-use tunnel), so at 10,000 open tunnels the server holds 10,000
 /// HTTP/2 connections: what an idle one keeps on the server's heap counts.
 /// h2 allocated a 16 KiB write buffer and a 4 KiB HPACK decoding buffer for
-/// every connection up front and kept them (vendor/README.md); ours takes
-/// them only while it encodes or decodes. The heap, not resident memory, is
+/// every connection up front and kept them, and room for four streams and
+/// four queued frames each way (vendor/README.md); ours takes them only while
+/// it encodes, decodes or queues, and room for one stream. 44.3 KiB with
+/// crates.io's h2, 16.4 with the buffers taken when used, 13.2 with the
+/// frame queues too. The heap, not resident memory, is
 /// compared: it is exact, where resident pages depend on what the
 /// allocator touched before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -373,7 +376,7 @@ async fn an_idle_single_use_grpc_tunnel_holds_little_heap_on_the_server() {
     let per_tunnel = (now.server_heap_kib.saturating_sub(baseline.server_heap_kib)) as f64 / TUNNELS as f64;
     eprintln!("server heap per idle single-use tunnel: {per_tunnel:.1} KiB ({baseline:?} -> {now:?})");
     assert!(
-        per_tunnel <= 20.0,
+        per_tunnel <= 15.0,
         "an idle single-use tunnel holds {per_tunnel:.1} KiB of the server's heap"
     );
     drop(held);

@@ -196,7 +196,12 @@ impl ClientStream {
                 None => return,
             }
         };
-        let Some(connection) = self.dial(dialer, &address, dial_id).await else {
+        // Boxed: the dial's state (its select over the agent's answer and
+        // the client's packets, the answers it may send) is larger than the
+        // relay's, and a task is as large as the largest state it can be in.
+        // Boxed, that memory is taken only while dialing: every idle tunnel's
+        // task went from 2,176 to 1,922 bytes (heaptrack, release build).
+        let Some(connection) = Box::pin(self.dial(dialer, &address, dial_id)).await else {
             return;
         };
         self.relay(connection, &dialer.metrics).await;

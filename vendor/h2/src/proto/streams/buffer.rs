@@ -33,6 +33,17 @@ impl<T> Buffer<T> {
     pub fn is_empty(&self) -> bool {
         self.slab.is_empty()
     }
+
+    /// Takes a frame out; once none is left, the slab's memory is given back
+    /// (konnectivity-rs: an idle connection keeps no frame slots, where the
+    /// slab kept room for the most frames it ever queued at once).
+    fn remove(&mut self, key: usize) -> Slot<T> {
+        let slot = self.slab.remove(key);
+        if self.slab.is_empty() {
+            self.slab = Slab::new();
+        }
+        slot
+    }
 }
 
 impl Deque {
@@ -81,7 +92,7 @@ impl Deque {
     pub fn pop_front<T>(&mut self, buf: &mut Buffer<T>) -> Option<T> {
         match self.indices {
             Some(mut idxs) => {
-                let mut slot = buf.slab.remove(idxs.head);
+                let mut slot = buf.remove(idxs.head);
 
                 if idxs.head == idxs.tail {
                     assert!(slot.next.is_none());

@@ -78,6 +78,16 @@ pub(super) trait Resolve {
 
 // ===== impl Store =====
 
+/// Inserts a stream, making room for exactly one when the store has none
+/// (konnectivity-rs: a connection that carries a single stream, as
+/// konnectivity-client's single-use tunnel does, kept room for four).
+fn insert_stream(slab: &mut slab::Slab<Stream>, stream: Stream) -> usize {
+    if slab.capacity() == 0 {
+        slab.reserve_exact(1);
+    }
+    slab.insert(stream)
+}
+
 impl Store {
     pub fn new() -> Self {
         Store {
@@ -102,7 +112,7 @@ impl Store {
     }
 
     pub fn insert(&mut self, id: StreamId, val: Stream) -> Ptr<'_> {
-        let index = SlabIndex(self.slab.insert(val) as u32);
+        let index = SlabIndex(insert_stream(&mut self.slab, val) as u32);
         assert!(self.ids.insert(id, index).is_none());
 
         Ptr {
@@ -464,7 +474,7 @@ impl<'a> VacantEntry<'a> {
     pub fn insert(self, value: Stream) -> Key {
         // Insert the value in the slab
         let stream_id = value.id;
-        let index = SlabIndex(self.slab.insert(value) as u32);
+        let index = SlabIndex(insert_stream(self.slab, value) as u32);
 
         // Insert the handle in the ID map
         self.ids.insert(index);
