@@ -119,16 +119,8 @@ pub struct Args {
     /// that every field kube-apiserver sends is read as sent, those this version does not know included.
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
-    /// Serve /debug/pprof/ on the admin port: a CPU profile (/debug/pprof/profile?seconds=N) in pprof's format, and the
-    /// command line. Off by default, as upstream.
-    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
-    pub enable_profiling: bool,
-    /// Go's lock-contention (block) profile. Not applied: it is the Go runtime's, and a Rust program has no counterpart
-    /// (accepted for upstream compatibility; needs --enable-profiling, as upstream).
-    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
-    pub enable_contention_profiling: bool,
+    #[command(flatten)]
+    pub profiling: konnectivity_plumbing::profiling::ProfilingArgs,
     /// Deprecated upstream; accepted and ignored.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
@@ -464,8 +456,8 @@ impl Config {
         if args.admin_server_port == 0 {
             return Err(invalid("admin-server-port", "must not be 0"));
         }
-        if args.enable_contention_profiling && !args.enable_profiling {
-            return Err(invalid("enable-contention-profiling", "needs --enable-profiling"));
+        if let Some((flag, problem)) = args.profiling.problem() {
+            return Err(invalid(flag, problem));
         }
         if args.probe_interval.is_zero() {
             return Err(invalid("probe-interval", "must be greater than 0"));
@@ -520,7 +512,7 @@ impl Config {
             sync_forever: args.sync_forever,
             health_addr: SocketAddr::new(health_ip, args.health_server_port),
             admin_addr: SocketAddr::new(admin_ip, args.admin_server_port),
-            profiling: args.enable_profiling,
+            profiling: args.profiling.enable_profiling,
             dial_timeout: args.dial_timeout,
             keepalive: (!args.keepalive_time.is_zero()).then(|| args.keepalive_time.max(MIN_KEEPALIVE)),
             node,
@@ -683,7 +675,10 @@ impl Args {
                 "kube-api-content-type",
                 self.kube_api_content_type != "application/vnd.kubernetes.protobuf",
             ),
-            ("enable-contention-profiling", self.enable_contention_profiling),
+            (
+                "enable-contention-profiling",
+                self.profiling.enable_contention_profiling,
+            ),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))

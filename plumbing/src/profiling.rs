@@ -14,6 +14,30 @@ use prost::Message;
 
 use crate::sys::cpu_samples::{CpuSampling, SAMPLE_HZ, SamplingError};
 
+/// Go's profiling flags, as upstream's server and agent both take them.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ProfilingArgs {
+    /// Serve /debug/pprof/ on the admin port: a CPU profile (/debug/pprof/profile?seconds=N) in pprof's format, and the
+    /// command line. Off by default, as upstream.
+    #[arg(long, value_parser = crate::flags::parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = clap::ArgAction::Set)]
+    pub enable_profiling: bool,
+    /// Go's lock-contention (block) profile. Not applied: it is the Go runtime's, and a Rust program has no counterpart
+    /// (accepted for upstream compatibility; needs --enable-profiling, as upstream).
+    #[arg(long, value_parser = crate::flags::parse_bool, num_args = 0..=1, require_equals = true,
+          default_missing_value = "true", default_value = "false", action = clap::ArgAction::Set)]
+    pub enable_contention_profiling: bool,
+}
+
+impl ProfilingArgs {
+    /// The flag at fault and why, when the two flags do not go together
+    /// (upstream refuses contention profiling without profiling).
+    pub fn problem(&self) -> Option<(&'static str, &'static str)> {
+        (self.enable_contention_profiling && !self.enable_profiling)
+            .then_some(("enable-contention-profiling", "needs --enable-profiling"))
+    }
+}
+
 /// Go's default when the request names no duration.
 pub const DEFAULT_SECONDS: u64 = 30;
 /// The longest profile a request may ask for (Go sets no limit; a day

@@ -182,16 +182,8 @@ pub struct Args {
     /// How often the server looks for expired server Leases to delete (upstream fixes 15s).
     #[arg(long, value_parser = parse_duration, default_value = "15s", help_heading = "konnectivity-rs additions")]
     pub lease_gc_interval: Duration,
-    /// Serve /debug/pprof/ on the admin port: a CPU profile (/debug/pprof/profile?seconds=N) in pprof's format, and the
-    /// command line. Off by default, as upstream.
-    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
-    pub enable_profiling: bool,
-    /// Go's lock-contention (block) profile. Not applied: it is the Go runtime's, and a Rust program has no counterpart
-    /// (accepted for upstream compatibility; needs --enable-profiling, as upstream).
-    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
-    pub enable_contention_profiling: bool,
+    #[command(flatten)]
+    pub profiling: konnectivity_plumbing::profiling::ProfilingArgs,
     /// Deprecated upstream and always on; accepted and ignored.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
@@ -380,8 +372,8 @@ impl Config {
         if args.admin_port == 0 {
             return Err(invalid("admin-port", "must not be 0"));
         }
-        if args.enable_contention_profiling && !args.enable_profiling {
-            return Err(invalid("enable-contention-profiling", "needs --enable-profiling"));
+        if let Some((flag, problem)) = args.profiling.problem() {
+            return Err(invalid(flag, problem));
         }
         if args.frontend_write_channel_size == 0 {
             return Err(invalid("frontend-write-channel-size", "must be greater than 0"));
@@ -474,7 +466,7 @@ impl Config {
             strategies,
             health_addr: bind_address("health-bind-address", &args.health_bind_address, args.health_port)?,
             admin_addr: bind_address("admin-bind-address", &args.admin_bind_address, args.admin_port)?,
-            profiling: args.enable_profiling,
+            profiling: args.profiling.enable_profiling,
             backend_dial_timeout: (!args.backend_dial_timeout.is_zero()).then_some(args.backend_dial_timeout),
             keepalive: (!args.keepalive_time.is_zero()).then_some(args.keepalive_time),
             frontend_keepalive: (!args.frontend_keepalive_time.is_zero())
@@ -631,7 +623,10 @@ impl Args {
                 "kube-api-content-type",
                 self.kube_api_content_type != "application/vnd.kubernetes.protobuf",
             ),
-            ("enable-contention-profiling", self.enable_contention_profiling),
+            (
+                "enable-contention-profiling",
+                self.profiling.enable_contention_profiling,
+            ),
         ]
         .into_iter()
         .filter_map(|(name, set)| set.then_some(name))
