@@ -39,7 +39,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && strip --strip-debug /out/proxy-server /out/proxy-agent
 
 FROM docker.io/library/debian:bookworm-slim
-# What the binaries need at run time, and only that (agent/src/programs.rs
+# What the binaries need at run time, and only that (node/src/programs.rs
 # lists every program they run): nftables for the node agent's capture
 # rules (in the host's and in each pod's network namespace), ca-certificates
 # for agents started without --ca-cert.

@@ -177,12 +177,12 @@ for binary in proxy-server proxy-agent proxy-test-client; do
 done
 in_image -e CNI_COMMAND=VERSION "$image" konnectivity-cni </dev/null | grep -q supportedVersions ||
   fail "konnectivity-cni does not answer CNI VERSION in the image"
-# agent/src/programs.rs lists every program the binaries run.
+# node/src/programs.rs lists every program the binaries run.
 while read -r program package; do
   in_image "$image" "$program" --version >/dev/null 2>&1 ||
-    fail "the image lacks $program (Debian package $package), which proxy-agent runs (agent/src/programs.rs)"
-done < <(paste -d ' ' <(sed -n 's/^ *name: "\(.*\)",$/\1/p' agent/src/programs.rs) \
-  <(sed -n 's/^ *package: "\(.*\)",$/\1/p' agent/src/programs.rs))
+    fail "the image lacks $program (Debian package $package), which proxy-agent runs (node/src/programs.rs)"
+done < <(paste -d ' ' <(sed -n 's/^ *name: "\(.*\)",$/\1/p' node/src/programs.rs) \
+  <(sed -n 's/^ *package: "\(.*\)",$/\1/p' node/src/programs.rs))
 say "smoke test passed: the four binaries start, $(in_image "$image" nft --version)"
 
 # ---- its files, for the scenarios run from the image -------------------------------

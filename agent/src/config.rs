@@ -8,12 +8,12 @@ use std::time::Duration;
 use clap::{ArgAction, Parser};
 use konnectivity_plumbing::flags::{FlagError, identity_pair, invalid, pem_file};
 use konnectivity_plumbing::flags::{GoList, parse_bool, parse_duration, parse_list, parse_port};
-use konnectivity_plumbing::klog::KlogArgs;
+use konnectivity_telemetry::klog::KlogArgs;
 
-use crate::capture::CniSettings;
-use crate::capture::map::{Capture, CaptureMap};
 pub use crate::leases::LeaseCounting;
-use konnectivity_plumbing::kube::{KubeEndpoint, LabelSelector};
+use konnectivity_kube::{KubeEndpoint, LabelSelector};
+use konnectivity_node::capture::map::{Capture, CaptureMap};
+use konnectivity_node::settings::CniSettings;
 use konnectivity_plumbing::tls::{Identity, PemFile};
 use konnectivity_proto::AgentIdentifiers;
 
@@ -120,7 +120,7 @@ pub struct Args {
     #[arg(long, default_value = "application/vnd.kubernetes.protobuf")]
     pub kube_api_content_type: String,
     #[command(flatten)]
-    pub profiling: konnectivity_plumbing::profiling::ProfilingArgs,
+    pub profiling: konnectivity_telemetry::profiling::ProfilingArgs,
     /// Deprecated upstream; accepted and ignored.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
@@ -257,35 +257,7 @@ pub struct Args {
 pub enum AgentCommand {
     /// Install the konnectivity-cni plugin on this node and chain it into the
     /// primary CNI configuration (idempotent), then exit, or keep re-checking.
-    InstallCni(InstallCniArgs),
-}
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct InstallCniArgs {
-    /// Where CNI plugin binaries live.
-    #[arg(long, default_value = "/opt/cni/bin")]
-    pub cni_bin_dir: std::path::PathBuf,
-    /// Where the runtime reads network configurations.
-    #[arg(long, default_value = "/etc/cni/net.d")]
-    pub cni_conf_dir: std::path::PathBuf,
-    /// The plugin binary to install (default: konnectivity-cni next to this binary).
-    #[arg(long)]
-    pub plugin_binary: Option<std::path::PathBuf>,
-    /// The agent's --cni-socket, written into the plugin's configuration; the
-    /// two must name the same socket (a bare --cni-socket means this default).
-    #[arg(long, default_value = konnectivity_cni::config::DEFAULT_AGENT_SOCKET)]
-    pub agent_socket: String,
-    /// Namespaces whose pods are not captured, comma-separated.
-    #[arg(long, value_parser = parse_list, default_value = "")]
-    pub exclude_namespaces: GoList,
-    /// Remove the plugin and its configuration entry instead.
-    #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
-          default_missing_value = "true", default_value = "false", action = ArgAction::Set)]
-    pub uninstall: bool,
-    /// Re-check this often and put the entry back if the primary CNI rewrote
-    /// its file (0 = install once and exit).
-    #[arg(long, value_parser = parse_duration, default_value = "0s")]
-    pub watch: Duration,
+    InstallCni(konnectivity_node::cni::install::InstallCniArgs),
 }
 
 fn parse_mark(text: &str) -> Result<u32, String> {
@@ -724,10 +696,10 @@ mod tests {
         assert_eq!(inert.len(), line.len() - 1 - applied.len(), "{inert:?}");
         // ...and its help says so; every flag has a description.
         let command = Args::command();
-        let problems = konnectivity_plumbing::klog::help_problems(&command, &inert);
+        let problems = konnectivity_telemetry::klog::help_problems(&command, &inert);
         assert!(problems.is_empty(), "{problems:#?}");
         for sub in command.get_subcommands() {
-            let problems = konnectivity_plumbing::klog::help_problems(sub, &[]);
+            let problems = konnectivity_telemetry::klog::help_problems(sub, &[]);
             assert!(problems.is_empty(), "{}: {problems:#?}", sub.get_name());
         }
     }

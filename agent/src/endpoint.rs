@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::metrics::{AgentMetrics, DialFailure};
 use konnectivity_client::net::ConnectError;
-use konnectivity_plumbing::metrics::TunnelBytes;
+use konnectivity_telemetry::metrics::TunnelBytes;
 
 /// A failed dial, with error text in the form Go's dialer writes, so that
 /// servers (ours and upstream's) classify it the same way.

@@ -3,12 +3,12 @@
 use std::sync::Arc;
 
 use http::StatusCode;
-use konnectivity_plumbing::http::{Endpoints, Reply};
 use konnectivity_plumbing::lifecycle::Watcher;
-use konnectivity_plumbing::metrics;
+use konnectivity_telemetry::http::{Endpoints, Reply};
+use konnectivity_telemetry::metrics;
 
-use crate::capture::NodeReadiness;
 use crate::metrics::AgentMetrics;
+use konnectivity_node::readiness::NodeReadiness;
 
 pub(crate) struct AgentEndpoints {
     pub metrics: Arc<AgentMetrics>,

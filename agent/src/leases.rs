@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use http::StatusCode;
-use konnectivity_plumbing::kube::lease::{Lease, Leases};
-use konnectivity_plumbing::kube::{KubeClient, KubeEndpoint, KubeError, WatchEvent};
+use konnectivity_kube::lease::{Lease, Leases};
+use konnectivity_kube::{KubeClient, KubeEndpoint, KubeError, WatchEvent};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -244,7 +244,7 @@ impl Counter {
         &self,
         leases: &Leases<'_>,
         version: &str,
-    ) -> Result<konnectivity_plumbing::kube::WatchStream, KubeError> {
+    ) -> Result<konnectivity_kube::WatchStream, KubeError> {
         let started = Instant::now();
         let watched = leases
             .watch(&self.settings.selector, version, WATCH_TIMEOUT)

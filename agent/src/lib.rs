@@ -4,14 +4,11 @@
 //! [`session`] (serving one stream), [`endpoint`] (the TCP connections
 //! opened for the server), [`health`] and [`metrics`].
 
-pub mod capture;
-pub mod cni;
 pub mod config;
 mod endpoint;
 mod health;
 mod leases;
 mod metrics;
-pub mod programs;
 mod server_conn;
 mod servers;
 mod session;
@@ -21,9 +18,9 @@ mod session;
 /// feature, which the binary is never built with.
 #[cfg(feature = "test-hooks")]
 pub mod hooks {
-    pub use crate::capture::map::Capture;
     pub use crate::metrics::AgentMetrics;
     pub use crate::session::SessionSettings;
+    pub use konnectivity_node::capture::map::Capture;
 
     /// A server stream's session.
     pub mod session {
@@ -38,12 +35,15 @@ use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::signals::Terminations;
 use konnectivity_plumbing::tls::{self, TlsError};
 
-use crate::capture::{CaptureError, HealthService, NodeReadiness, NodeSettings};
 use crate::config::Config;
 use crate::health::AgentEndpoints;
 use crate::metrics::AgentMetrics;
 use crate::server_conn::ServerTarget;
 use crate::session::SessionSettings;
+use konnectivity_node::readiness::NodeReadiness;
+use konnectivity_node::role::{CaptureError, HealthService};
+use konnectivity_node::settings::NodeSettings;
+use konnectivity_plumbing::backoff::Backoff;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -56,35 +56,6 @@ pub enum AgentError {
     Tls(#[from] TlsError),
     #[error(transparent)]
     Capture(#[from] CaptureError),
-}
-
-/// Reconnection backoff as upstream's: start at --sync-interval, grow ×1.5
-/// per failure, never beyond --sync-interval-cap.
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    initial: Duration,
-    cap: Duration,
-    next: Duration,
-}
-
-impl Backoff {
-    pub fn new(initial: Duration, cap: Duration) -> Self {
-        Backoff {
-            initial,
-            cap,
-            next: initial,
-        }
-    }
-
-    pub fn next_delay(&mut self) -> Duration {
-        let delay = self.next;
-        self.next = self.next.mul_f64(1.5).min(self.cap);
-        delay
-    }
-
-    pub fn reset(&mut self) {
-        self.next = self.initial;
-    }
 }
 
 /// How the agent ended.
@@ -152,7 +123,7 @@ pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, Ag
                 tracing::info!("open connections done; exiting");
             } else {
                 tracing::info!(
-                    captured = metrics.captured_connections_open.get(),
+                    captured = metrics.node.captured_connections_open.get(),
                     endpoints = metrics.open_endpoint_connections.get(),
                     timeout = ?limit,
                     "exiting with connections still open (--drain-timeout)"
@@ -177,7 +148,7 @@ pub async fn run_with_drain(config: Config, drain: Watcher) -> Result<(), AgentE
 async fn connections_done(metrics: &AgentMetrics, limit: Duration) -> bool {
     let deadline = tokio::time::Instant::now() + limit;
     loop {
-        if metrics.captured_connections_open.get() == 0 && metrics.open_endpoint_connections.get() == 0 {
+        if metrics.node.captured_connections_open.get() == 0 && metrics.open_endpoint_connections.get() == 0 {
             return true;
         }
         if tokio::time::Instant::now() >= deadline {
@@ -211,19 +182,19 @@ async fn serve(
                     addr: config.health_addr,
                     source,
                 })?;
-            let admin = konnectivity_plumbing::http::bind_admin(config.admin_addr, "admin-server-port")
+            let admin = konnectivity_telemetry::http::bind_admin(config.admin_addr, "admin-server-port")
                 .await
                 .map(|admin| {
-                    let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints::new(
+                    let endpoints = Arc::new(konnectivity_telemetry::http::AdminEndpoints::new(
                         endpoints.clone(),
                         config.profiling,
                     ));
-                    AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
+                    AbortOnDrop(tokio::spawn(konnectivity_telemetry::http::serve(
                         Arc::new(admin),
                         endpoints,
                     )))
                 });
-            let health = AbortOnDrop(tokio::spawn(konnectivity_plumbing::http::serve(
+            let health = AbortOnDrop(tokio::spawn(konnectivity_telemetry::http::serve(
                 Arc::new(health),
                 endpoints.clone(),
             )));
@@ -328,7 +299,7 @@ async fn serve(
         endpoints,
     };
     tokio::select! {
-        result = capture::run(node_settings, metrics, readiness, health) => result?,
+        result = konnectivity_node::role::run(node_settings, metrics.node.clone(), readiness, health) => result?,
         _ = &mut egress.0 => return Ok(()),
     }
     // Handed over: the server streams drain and carry their connections on.
@@ -341,19 +312,5 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_by_half_up_to_the_cap_and_resets() {
-        let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(3));
-        let delays: Vec<_> = (0..5).map(|_| backoff.next_delay().as_millis()).collect();
-        assert_eq!(delays, [1000, 1500, 2250, 3000, 3000]);
-        backoff.reset();
-        assert_eq!(backoff.next_delay(), Duration::from_secs(1));
     }
 }

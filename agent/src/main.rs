@@ -8,14 +8,14 @@ fn main() -> anyhow::Result<()> {
     let (args, flags): (Args, _) = konnectivity_plumbing::flags::parse_or_exit();
     if let Some(AgentCommand::InstallCni(install)) = &args.command {
         args.klog.init_logging()?;
-        if let Err(error) = konnectivity_agent::cni::install::run(install) {
+        if let Err(error) = konnectivity_node::cni::install::run(install) {
             eprintln!("proxy-agent install-cni: {error}");
             std::process::exit(1);
         }
         return Ok(());
     }
     let config = Config::from_args(&args);
-    let config = konnectivity_plumbing::klog::start(
+    let config = konnectivity_telemetry::klog::start(
         "proxy-agent",
         config,
         &flags,
@@ -42,7 +42,7 @@ fn main() -> anyhow::Result<()> {
     // leaves them, so a restarted agent finds them in place and resumes at
     // once, and an agent that handed over leaves them to its successor.
     if captures && matches!(result, Ok(konnectivity_agent::Ended::Stopped)) {
-        match konnectivity_agent::capture::remove_rules() {
+        match konnectivity_node::capture::nft::remove() {
             Ok(()) => tracing::info!("capture rules removed"),
             Err(error) => tracing::warn!(%error, "could not remove the capture rules"),
         }

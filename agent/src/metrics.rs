@@ -1,12 +1,15 @@
 //! The agent's Prometheus metrics, under upstream's names
 //! (`konnectivity_network_proxy_agent_*`).
 
-pub(crate) use konnectivity_plumbing::metrics::Segment;
-use konnectivity_plumbing::metrics::{
+use std::sync::Arc;
+
+use konnectivity_node::metrics::NodeMetrics;
+use konnectivity_proto::PacketType;
+pub(crate) use konnectivity_telemetry::metrics::Segment;
+use konnectivity_telemetry::metrics::{
     ApiHistograms, ApiLabels, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, TunnelsEnded,
     binary_registry, register,
 };
-use konnectivity_proto::PacketType;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -31,18 +34,6 @@ pub enum ServerDirection {
     ToServer,
 }
 
-/// What became of a captured connection (node role).
-#[derive(Clone, Copy, Debug)]
-pub enum CaptureOutcome {
-    Tunneled,
-    /// Its original destination is not in the capture map: closed, never forwarded.
-    UnknownDestination,
-    /// The node tunnel is not connected: reset so the client retries.
-    TunnelUnavailable,
-    /// The server or control-plane agent could not reach the target.
-    DialFailed,
-}
-
 #[derive(Debug)]
 pub struct AgentMetrics {
     pub registry: Registry,
@@ -55,11 +46,8 @@ pub struct AgentMetrics {
     pub alive_tasks: Gauge,
     /// Ours: bytes allocated and not freed (`runtime_heap_bytes`).
     pub heap_bytes: Gauge,
-    /// Not upstream's: captured connections being tunneled now.
-    pub captured_connections_open: Gauge,
-    /// Not upstream's: whether the node tunnel answers its probes.
-    pub node_tunnel_up: Gauge,
-    captured: Family<Labels, GoCounter>,
+    /// Not upstream's: the node role's.
+    pub node: Arc<NodeMetrics>,
     dial_failures: Family<Labels, GoCounter>,
     server_failures: Family<Labels, GoCounter>,
     /// `tunnels_ended_total{reason}`.
@@ -92,9 +80,7 @@ impl Default for AgentMetrics {
             dial_duration: Histogram::new(LATENCY_BUCKETS),
             alive_tasks: Gauge::default(),
             heap_bytes: Gauge::default(),
-            captured_connections_open: Gauge::default(),
-            node_tunnel_up: Gauge::default(),
-            captured: Family::default(),
+            node: Arc::default(),
             dial_failures: Family::default(),
             server_failures: Family::default(),
             tunnels_ended: TunnelsEnded::default(),
@@ -164,24 +150,7 @@ impl Default for AgentMetrics {
             metrics.stream_errors = StreamErrors::register(registry);
             // Ours.
             metrics.tunnels_ended = TunnelsEnded::register(registry);
-            register(
-                registry,
-                "captured_connections_open",
-                "Captured node connections being tunneled now.",
-                metrics.captured_connections_open.clone(),
-            );
-            register(
-                registry,
-                "node_tunnel_up",
-                "1 while the node tunnel to the server's node frontend answers its probes, 0 while it does not (node role).",
-                metrics.node_tunnel_up.clone(),
-            );
-            register(
-                registry,
-                "captured_connections_total",
-                "Captured node connections, by outcome.",
-                metrics.captured.clone(),
-            );
+            metrics.node = Arc::new(NodeMetrics::register(registry));
             register(
                 registry,
                 "runtime_alive_tasks",
@@ -203,16 +172,6 @@ impl AgentMetrics {
     /// Counts a packet sent (`FromAgent`) or received (`ToAgent`) on a server stream.
     pub fn packet(&self, segment: Segment, kind: PacketType) {
         self.packets.count(segment, kind);
-    }
-
-    pub fn captured(&self, outcome: CaptureOutcome) {
-        let outcome = match outcome {
-            CaptureOutcome::Tunneled => "tunneled",
-            CaptureOutcome::UnknownDestination => "unknown_destination",
-            CaptureOutcome::TunnelUnavailable => "tunnel_unavailable",
-            CaptureOutcome::DialFailed => "dial_failed",
-        };
-        self.captured.get_or_create(&vec![("outcome", outcome)]).inc();
     }
 
     pub fn server_failure(&self, direction: ServerDirection) {

@@ -18,15 +18,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use konnectivity_plumbing::lifecycle::Watcher;
-use konnectivity_plumbing::metrics::GaugeGuard;
+use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-use crate::Backoff;
 use crate::metrics::AgentMetrics;
 use crate::server_conn::{ConnectError, ServerStream, ServerTarget};
 use crate::session::{self, SessionSettings, StreamEnd};
+use konnectivity_plumbing::backoff::Backoff;
 
 /// How often and how eagerly the agent re-checks its servers.
 #[derive(Clone, Copy, Debug)]

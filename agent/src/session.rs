@@ -9,8 +9,8 @@ use bytes::Bytes;
 use konnectivity_mux::{Connections, Delivery};
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::limit::{Limit, Slot};
-use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
+use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use crate::endpoint::{self, DialError, EndpointClosed};
 use crate::metrics::{AgentMetrics, Segment, ServerDirection};
-use konnectivity_plumbing::metrics::{EndReason, TunnelBytes, TunnelRecord};
+use konnectivity_telemetry::metrics::{EndReason, TunnelBytes, TunnelRecord};
 
 /// Why a tunnel ended on this agent, and so who ended it: counted by
 /// `tunnels_ended_total{reason}` and logged at -v=2. Every DIAL_REQ ends

@@ -3,6 +3,7 @@
 //! to the same targets, in one run, and prints one table of medians.
 //! `hack/bench.sh` builds the release binaries and runs it.
 
+pub mod args;
 pub mod go_client;
 pub mod report;
 pub mod route;
@@ -12,107 +13,15 @@ pub mod stack;
 pub mod targets;
 pub mod token_review;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
 
+pub use crate::args::{Cli, Commands, FleetArgs, LayoutArgs, RunArgs, ScaleArgs};
 use crate::report::{Figures, Table};
 use crate::route::Route;
-use crate::stack::{Layout, Mode, Stack};
+use crate::stack::{Mode, Stack};
 use crate::targets::Targets;
-
-#[derive(Parser, Debug)]
-#[command(name = "konnectivity-bench", about = "The tunnel against direct loopback TCP")]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Commands,
-}
-
-#[derive(Subcommand, Debug)]
-pub enum Commands {
-    /// Runs every measurement and prints the table.
-    Run(RunArgs),
-    /// Serves the benchmark targets (started by `run`; prints its ports).
-    Targets,
-    /// The scale run: many agent streams and tunnels into one server (root).
-    Scale(scale::ScaleArgs),
-    /// Runs many proxy-agents in one process (started by `scale`).
-    Fleet(scale::FleetArgs),
-    /// A plain relay (started by `run`; prints its port).
-    Relay {
-        /// The relay after this one; without, the target the client names.
-        #[arg(long)]
-        next: Option<std::net::SocketAddr>,
-    },
-}
-
-/// Where the binaries, certificates and scratch files are, for every run.
-#[derive(clap::Args, Debug, Clone)]
-pub struct LayoutArgs {
-    /// Directory holding proxy-server and proxy-agent (a release build).
-    #[arg(long)]
-    pub bin_dir: PathBuf,
-    /// Certificates from hack/gen-certs.sh.
-    #[arg(long)]
-    pub certs: PathBuf,
-    /// Scratch directory for sockets and process logs.
-    #[arg(long)]
-    pub work: PathBuf,
-}
-
-impl LayoutArgs {
-    pub fn layout(&self) -> Layout {
-        Layout {
-            bin_dir: self.bin_dir.clone(),
-            certs: self.certs.clone(),
-            work: self.work.clone(),
-        }
-    }
-}
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct RunArgs {
-    #[command(flatten)]
-    pub layout: LayoutArgs,
-    /// Runs per figure; the table shows the median.
-    #[arg(long, default_value_t = 3)]
-    pub runs: usize,
-    /// Bytes pushed through one connection, and through 8 together.
-    #[arg(long, default_value_t = 1 << 30)]
-    pub bytes: u64,
-    /// Round trips measured per run.
-    #[arg(long, default_value_t = 5000)]
-    pub round_trips: usize,
-    /// Connections opened and closed per run of the set-up measurement.
-    #[arg(long, default_value_t = 5000)]
-    pub setups: usize,
-    /// Idle tunneled connections held for the memory measurement.
-    #[arg(long, default_value_t = 10_000)]
-    pub idle: usize,
-    /// The Go CONNECT client (bench/go/connect-client.go, built by
-    /// hack/bench.sh): its figures are reported beside ours.
-    #[arg(long)]
-    pub go_client: Option<PathBuf>,
-    /// The same client built with its gRPC route (bench/go/grpc_tunnel.go,
-    /// Debian's grpc-go), for the gRPC frontend.
-    #[arg(long)]
-    pub go_grpc_client: Option<PathBuf>,
-    /// Connections of the Go client's one-at-a-time dial measurement.
-    #[arg(long, default_value_t = 2000)]
-    pub go_dials: usize,
-    /// Only these measurements (one, down, eight, rtt, setup, memory, stall,
-    /// go); all by default.
-    #[arg(long, value_delimiter = ',')]
-    pub only: Vec<String>,
-}
-
-impl RunArgs {
-    fn wants(&self, measurement: &str) -> bool {
-        self.only.is_empty() || self.only.iter().any(|m| m == measurement)
-    }
-}
 
 pub fn main(cli: Cli) -> anyhow::Result<()> {
     // 10,000 idle connections need more descriptors than the usual soft

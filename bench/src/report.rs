@@ -4,7 +4,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use crate::RunArgs;
+use crate::args::RunArgs;
 use crate::scenarios::{StallResult, median};
 
 /// Everything measured on one route; one entry per run where repeated.

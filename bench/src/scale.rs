@@ -17,45 +17,11 @@ use anyhow::bail;
 use clap::Parser;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::LayoutArgs;
+use crate::args::{FleetArgs, ScaleArgs};
 use crate::route::Route;
 use crate::scenarios;
 use crate::stack::{self, Layout, Proc};
 use crate::token_review::{TOKEN_PREFIX, TokenReviewer};
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct ScaleArgs {
-    #[command(flatten)]
-    pub layout: LayoutArgs,
-    /// Agent streams into the server.
-    #[arg(long, default_value_t = 1000)]
-    pub agents: usize,
-    /// Tunnels held open across them.
-    #[arg(long, default_value_t = 20_000)]
-    pub tunnels: usize,
-    /// Connections opened and closed per dial-rate measurement (with 2,000
-    /// the rate varied by a third between runs on 2 vCPUs; with 10,000 by a
-    /// tenth).
-    #[arg(long, default_value_t = 10_000)]
-    pub dials: usize,
-}
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct FleetArgs {
-    /// The number of the first agent, so that fleets split over processes
-    /// have distinct agents.
-    #[arg(long, default_value_t = 0)]
-    pub first: usize,
-    #[arg(long)]
-    pub agents: usize,
-    #[arg(long)]
-    pub server_port: u16,
-    #[arg(long)]
-    pub certs: PathBuf,
-    /// Holds agent-N, the token of agent N.
-    #[arg(long)]
-    pub tokens: PathBuf,
-}
 
 /// Every tunnel is a socket in the client, the server, an agent and a
 /// target: raises the open-files limit to `needed` if this process may

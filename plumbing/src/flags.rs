@@ -2,7 +2,6 @@
 //! manifests keep working unchanged: durations like `1h0m0s`, booleans as
 //! `true`/`false`, and ports within the range upstream allows.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::tls::{Identity, PemFile};
@@ -132,23 +131,6 @@ pub fn parse_list(text: &str) -> Result<GoList, String> {
     ))
 }
 
-/// A server's `--lease-label`: labels as `k=v[,k=v]` (spaces around keys
-/// and values are dropped, as upstream's `ParseLabels` does), each one
-/// kube-apiserver would take: a label it refuses would leave the server
-/// without a Lease, renewal after renewal.
-pub fn parse_labels(text: &str) -> Result<BTreeMap<String, String>, String> {
-    let mut labels = BTreeMap::new();
-    for pair in text.split(',').filter(|p| !p.is_empty()) {
-        let (key, value) = pair
-            .split_once('=')
-            .ok_or_else(|| format!("label {pair:?} is not key=value"))?;
-        let (key, value) = (key.trim(), value.trim());
-        crate::kube::check_label(key, value).map_err(|e| e.to_string())?;
-        labels.insert(key.to_owned(), value.to_owned());
-    }
-    Ok(labels)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,26 +142,6 @@ mod tests {
         assert_eq!(parse_list(""), list(&[]));
         assert_eq!(parse_list("a,b"), list(&["a", "b"]));
         assert_eq!(parse_list("[h2,http/1.1]"), list(&["h2", "http/1.1"]));
-    }
-
-    #[test]
-    fn label_lists() {
-        assert!(parse_labels("k8s-app=konnectivity-server").is_ok());
-        assert!(parse_labels("a=b,c=d").is_ok());
-        assert!(parse_labels("novalue").is_err());
-        assert!(parse_labels("a b=c").is_err());
-        let spaced = parse_labels(" key = value , example.com/tier = x ").unwrap();
-        assert_eq!(
-            spaced,
-            BTreeMap::from([
-                ("key".into(), "value".into()),
-                ("example.com/tier".into(), "x".into())
-            ])
-        );
-        for bad in ["-x=y", "a=b/c", "Example.com/x=y", "a=b=c"] {
-            let error = parse_labels(bad).unwrap_err();
-            assert!(error.starts_with("invalid "), "{bad}: {error}");
-        }
     }
 
     #[test]

@@ -1,17 +1,14 @@
-//! Plumbing that proxy-server and proxy-agent share: TLS loading, the small
-//! HTTP listener for health and metrics, logging set-up, signals and the
-//! Go-style flag values upstream manifests pass.
+//! The process plumbing both binaries share: TLS from PEM files ([`tls`]),
+//! the Go-style flag values upstream manifests pass ([`flags`]), signals and
+//! the drain lifecycle ([`signals`], [`lifecycle`]), the runtime and its
+//! allocator ([`runtime`]), limits, reconnection backoff, and the system
+//! calls that have no safe wrapper ([`sys`], the only unsafe code).
 
+pub mod backoff;
 pub mod flags;
-pub mod http;
-pub mod klog;
-pub mod kube;
 pub mod lifecycle;
 pub mod limit;
-pub mod logging;
-pub mod metrics;
 pub mod net;
-pub mod profiling;
 pub mod runtime;
 pub mod signals;
 pub mod sys;

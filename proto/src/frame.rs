@@ -10,7 +10,7 @@ use bytes::Bytes;
 use crate::ids::{ConnectId, DialId};
 use crate::target::DialTarget;
 use crate::wire::{self, packet::Payload};
-use crate::{Packet, PacketType};
+use crate::wire::{Packet, PacketType};
 
 /// One protocol message, validated.
 #[derive(Clone, Debug, PartialEq)]

@@ -11,17 +11,12 @@ mod frame;
 mod identifiers;
 mod ids;
 mod target;
+pub mod wire;
 
 pub use frame::{Frame, PacketError};
 pub use identifiers::{AgentIdentifiers, IdentifiersError};
 pub use ids::{ConnectId, DialId};
 pub use target::{DialTarget, TargetError};
-
-/// Generated prost messages and tonic services (client and server halves).
-pub mod wire {
-    #![allow(clippy::all, missing_docs)]
-    include!(concat!(env!("OUT_DIR"), "/_.rs"));
-}
 
 pub use wire::{Packet, PacketType};
 

@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_util::{Stream, StreamExt};
 use konnectivity_mux::flow;
-use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_plumbing::tls::certificate_names;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_server::AgentService;
 use konnectivity_proto::{AgentIdentifiers, Packet};
+use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};

@@ -8,13 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{ArgAction, Parser, ValueEnum};
+use konnectivity_kube::{KubeEndpoint, RateLimit, parse_labels};
 use konnectivity_plumbing::flags::{FlagError, identity_pair, invalid, pem_file};
-use konnectivity_plumbing::flags::{
-    GoList, parse_bool, parse_duration, parse_labels, parse_list, parse_port,
-};
-use konnectivity_plumbing::klog::KlogArgs;
-use konnectivity_plumbing::kube::{KubeEndpoint, RateLimit};
+use konnectivity_plumbing::flags::{GoList, parse_bool, parse_duration, parse_list, parse_port};
 use konnectivity_plumbing::tls::{self, Identity, PemFile, TlsOffer};
+use konnectivity_telemetry::klog::KlogArgs;
 
 use crate::backend::strategy::{Strategy, parse_strategies};
 pub use crate::leases::LeaseSettings;
@@ -183,7 +181,7 @@ pub struct Args {
     #[arg(long, value_parser = parse_duration, default_value = "15s", help_heading = "konnectivity-rs additions")]
     pub lease_gc_interval: Duration,
     #[command(flatten)]
-    pub profiling: konnectivity_plumbing::profiling::ProfilingArgs,
+    pub profiling: konnectivity_telemetry::profiling::ProfilingArgs,
     /// Deprecated upstream and always on; accepted and ignored.
     #[arg(long, value_parser = parse_bool, num_args = 0..=1, require_equals = true,
           default_missing_value = "true", default_value = "true", action = ArgAction::Set)]
@@ -660,7 +658,7 @@ mod tests {
         // start-up...
         assert_eq!(inert.len(), line.len() - 1 - applied.len(), "{inert:?}");
         // ...and its help says so; every flag has a description.
-        let problems = konnectivity_plumbing::klog::help_problems(&Args::command(), &inert);
+        let problems = konnectivity_telemetry::klog::help_problems(&Args::command(), &inert);
         assert!(problems.is_empty(), "{problems:#?}");
     }
 }

@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use http::StatusCode;
-use konnectivity_plumbing::http::{Endpoints, Reply};
-use konnectivity_plumbing::metrics;
+use konnectivity_telemetry::http::{Endpoints, Reply};
+use konnectivity_telemetry::metrics;
 
 use crate::backend::registry::Registry;
 use crate::metrics::ServerMetrics;

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use http::StatusCode;
-use konnectivity_plumbing::kube::lease::{Lease, LeaseSpec, Leases, MicroTime, ObjectMeta};
-use konnectivity_plumbing::kube::{KubeClient, KubeEndpoint, KubeError};
+use konnectivity_kube::lease::{Lease, LeaseSpec, Leases, MicroTime, ObjectMeta};
+use konnectivity_kube::{KubeClient, KubeEndpoint, KubeError};
 use tokio::task::JoinHandle;
 
 use crate::metrics::ServerMetrics;
@@ -105,7 +105,7 @@ impl LeaseController {
         let collector = Collector {
             client: client.clone(),
             namespace: settings.namespace.clone(),
-            selector: konnectivity_plumbing::kube::lease::selector(&settings.labels),
+            selector: konnectivity_kube::lease::selector(&settings.labels),
             every: settings.gc_interval,
             metrics,
             expired: HashMap::new(),

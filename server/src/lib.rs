@@ -12,6 +12,7 @@ mod health;
 mod leases;
 mod metrics;
 mod policy;
+mod serving;
 mod token_auth;
 mod tunnel;
 
@@ -34,19 +35,14 @@ pub mod hooks {
 }
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
-use konnectivity_plumbing::kube::KubeClient;
-use konnectivity_plumbing::lifecycle::{self, Drained, Watcher};
+use konnectivity_kube::KubeClient;
+use konnectivity_plumbing::lifecycle::{self, Drained};
 use konnectivity_plumbing::limit::Limit;
-use konnectivity_plumbing::tls::{self, TlsError};
+use konnectivity_plumbing::tls;
 use konnectivity_proto::wire::agent_service_server::AgentServiceServer;
-use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::agent_service::AgentServer;
 use crate::backend::registry::Registry;
@@ -57,70 +53,8 @@ use crate::policy::FrontendClass;
 use crate::token_auth::TokenAuthenticator;
 use crate::tunnel::Dialer;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("cannot listen on {addr} for the {what}: {source}")]
-    Bind {
-        what: &'static str,
-        addr: String,
-        source: std::io::Error,
-    },
-    #[error(transparent)]
-    Tls(#[from] TlsError),
-    #[error("{0}")]
-    Config(String),
-    #[error("agent gRPC server failed: {0}")]
-    AgentServer(tonic::transport::Error),
-    #[error("frontend gRPC server failed: {0}")]
-    FrontendServer(tonic::transport::Error),
-}
-
-impl ServeError {
-    /// Whether the server could not start (what an operator fixes in the
-    /// manifest), rather than failing while it ran.
-    pub fn at_start_up(&self) -> bool {
-        matches!(
-            self,
-            ServeError::Bind { .. } | ServeError::Tls(_) | ServeError::Config(_)
-        )
-    }
-}
-
-async fn bind_tcp(what: &'static str, addr: SocketAddr) -> Result<TcpListener, ServeError> {
-    TcpListener::bind(addr).await.map_err(|source| ServeError::Bind {
-        what,
-        addr: addr.to_string(),
-        source,
-    })
-}
-
-/// TLS connections from `listener`, handshaken concurrently, as the
-/// incoming stream a tonic server takes; with `stop`, it ends when the drain
-/// is signalled.
-fn tls_incoming(
-    listener: TcpListener,
-    tls: rustls::ServerConfig,
-    what: &'static str,
-    stop: Option<Watcher>,
-) -> impl futures_util::Stream<Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>>
-{
-    ReceiverStream::new(tls::accept_tls(
-        listener,
-        TlsAcceptor::from(Arc::new(tls)),
-        what,
-        stop,
-    ))
-    .map(Ok)
-}
-
-/// A gRPC server that pings its clients every `keepalive` and drops a
-/// connection whose ping goes unanswered, so a half-dead peer (a frozen
-/// agent, a vanished node) is noticed and its streams end.
-fn grpc_server(keepalive: Option<Duration>) -> tonic::transport::Server {
-    tonic::transport::Server::builder()
-        .http2_keepalive_interval(keepalive)
-        .http2_keepalive_timeout(keepalive.map(konnectivity_plumbing::net::keepalive_timeout))
-}
+pub use crate::serving::ServeError;
+use crate::serving::{bind_tcp, grpc_server, tls_incoming};
 
 /// Binds the agent listener and returns its gRPC server, to be polled. It
 /// keeps accepting while the frontends drain: their tunnels need agents.
@@ -185,16 +119,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         registry,
         metrics: metrics.clone(),
     });
-    let admin_task = konnectivity_plumbing::http::bind_admin(config.admin_addr, "admin-port")
+    let admin_task = konnectivity_telemetry::http::bind_admin(config.admin_addr, "admin-port")
         .await
         .map(|admin| {
-            let endpoints = Arc::new(konnectivity_plumbing::http::AdminEndpoints::new(
+            let endpoints = Arc::new(konnectivity_telemetry::http::AdminEndpoints::new(
                 endpoints.clone(),
                 config.profiling,
             ));
-            tokio::spawn(konnectivity_plumbing::http::serve(Arc::new(admin), endpoints))
+            tokio::spawn(konnectivity_telemetry::http::serve(Arc::new(admin), endpoints))
         });
-    let health_task = tokio::spawn(konnectivity_plumbing::http::serve(Arc::new(health), endpoints));
+    let health_task = tokio::spawn(konnectivity_telemetry::http::serve(Arc::new(health), endpoints));
     // Published once clients can connect, as health is.
     let lease_controller = config
         .leases

@@ -7,7 +7,7 @@ static ALLOCATOR: konnectivity_plumbing::runtime::Allocator = konnectivity_plumb
 fn main() -> anyhow::Result<()> {
     let (args, flags): (Args, _) = konnectivity_plumbing::flags::parse_or_exit();
     let config = Config::from_args(&args);
-    let config = konnectivity_plumbing::klog::start(
+    let config = konnectivity_telemetry::klog::start(
         "proxy-server",
         config,
         &flags,

@@ -3,12 +3,12 @@
 
 use std::time::{Duration, Instant};
 
-pub(crate) use konnectivity_plumbing::metrics::Segment;
-use konnectivity_plumbing::metrics::{
+use konnectivity_proto::PacketType;
+pub(crate) use konnectivity_telemetry::metrics::Segment;
+use konnectivity_telemetry::metrics::{
     ApiHistograms, ApiLabels, DEFAULT_BUCKETS, GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels,
     PacketCounters, StreamErrors, TunnelsEnded, binary_registry, register,
 };
-use konnectivity_proto::PacketType;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;

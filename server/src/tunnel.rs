@@ -15,7 +15,7 @@ use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, ServerMetrics};
 use crate::policy::{AllowedDestination, FrontendClass, PolicyError, check_node_destination};
 use konnectivity_plumbing::limit::{Limit, LimitReached, Slot};
-use konnectivity_plumbing::metrics::{EndReason, TunnelBytes, TunnelRecord};
+use konnectivity_telemetry::metrics::{EndReason, TunnelBytes, TunnelRecord};
 
 /// Why a dial did not produce a connection. The text reaches the client.
 #[derive(Debug, Clone, thiserror::Error)]

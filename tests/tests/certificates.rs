@@ -8,7 +8,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::support::certs::{CertFiles, Pki};
-use crate::support::procs::{Proc, Server, bin};
+use crate::support::image::bin;
+use crate::support::procs::{Proc, Server};
 use crate::support::{TempDir, free_port, wait_until};
 
 /// curl presenting `client` to `https://127.0.0.1:port/`, as an OpenSSL

@@ -537,7 +537,7 @@ async fn proxy_test_client_fetches_and_tells_the_status_line_from_the_servers_wo
     let setup = setup(true, &[]).await;
     let page = targets::http("through the tunnel").await;
     let client = |port: u16| {
-        std::process::Command::new(crate::support::procs::bin("proxy-test-client"))
+        std::process::Command::new(crate::support::image::bin("proxy-test-client"))
             .args(["--mode=http-connect", "--request-host=127.0.0.1"])
             .arg(format!("--proxy-uds={}", setup.server.uds_path().display()))
             .arg(format!("--request-port={port}"))

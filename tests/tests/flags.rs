@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use crate::support::procs::bin;
+use crate::support::image::bin;
 
 /// Runs a binary with `args`; its exit code and standard error.
 fn run(binary: &str, args: &[&str]) -> (Option<i32>, String) {

@@ -40,7 +40,7 @@ fn every_program_the_binaries_run_is_in_the_image() {
         return;
     };
     let root = image.root().expect("image binaries");
-    for program in konnectivity_agent::programs::ALL {
+    for program in konnectivity_node::programs::ALL {
         assert!(
             in_image_path(root, program.name),
             "the image lacks {} (Debian package {}), which proxy-agent runs for {}",

@@ -102,7 +102,7 @@ async fn go_tool_pprof_reads_a_cpu_profile_of_a_busy_server_with_its_function_na
     let samples = traces.matches("-----------+").count();
     assert!(samples > 5, "{samples} stacks over {scrapes} scrapes:\n{traces}");
     assert!(
-        traces.contains("konnectivity_plumbing::"),
+        traces.contains("konnectivity_telemetry::"),
         "no frame of the server's code over {scrapes} scrapes:\n{traces}"
     );
     // Nothing the profile needed (symbol tables, samples) stays behind.

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use konnectivity_mux::{Connections, Delivery, Route};
-use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet, PacketType};
+use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::sync::mpsc;
 
 use super::registry::Registry;

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use konnectivity_plumbing::lifecycle::Hold;
-use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::{DialId, DialTarget};
+use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::stream::{ChunkReader, FrontendStream};

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::{Stream, StreamExt};
-use konnectivity_plumbing::metrics::GaugeGuard;
 use konnectivity_proto::wire::proxy_service_server::ProxyService;
 use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
+use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};

@@ -9,7 +9,7 @@ use konnectivity_plumbing::lifecycle::{Hold, Watcher};
 use tokio::net::{TcpListener, UnixListener};
 use tokio_rustls::TlsAcceptor;
 
-use crate::ServeError;
+use crate::serving::ServeError;
 
 /// Binds a Unix socket at `path`, replacing a leftover file when asked to.
 pub(crate) fn bind_uds(path: &Path, delete_existing: bool) -> Result<UnixListener, ServeError> {

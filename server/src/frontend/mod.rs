@@ -19,8 +19,8 @@ use tokio::task::JoinHandle;
 
 use crate::config::{Config, FrontendListen, Mode};
 use crate::policy::FrontendClass;
+use crate::serving::{ServeError, bind_tcp, grpc_server, tls_incoming};
 use crate::tunnel::Dialer;
-use crate::{ServeError, bind_tcp, grpc_server, tls_incoming};
 use authority::TolerantAuthority;
 use preface::RequireHttp2;
 

@@ -10,7 +10,23 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::foreign::repo;
-use super::procs::bin;
+
+/// Path of a workspace binary, next to the test executable's directory
+/// (`target/<profile>/`). `hack/test.sh` builds them before the tests.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test executable lives in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (cargo build --bins)",
+        path.display()
+    );
+    path
+}
 
 /// What runs the workspace's binaries.
 #[derive(Clone, Debug)]

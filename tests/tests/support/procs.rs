@@ -9,23 +9,6 @@ use super::image::Binaries;
 use super::scrape::http_get;
 use super::{free_port, wait_until};
 
-/// Path of a workspace binary, next to the test executable's directory
-/// (`target/<profile>/`). `hack/test.sh` builds them before the tests.
-pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test executable lives in target/<profile>/deps");
-    let path = dir.join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build the binaries first (cargo build --bins)",
-        path.display()
-    );
-    path
-}
-
 /// A child process killed (SIGKILL) and reaped when dropped. Its output goes
 /// to a log file that failing tests print.
 pub struct Proc {

@@ -1,0 +1,132 @@
+//! `konnectivity-bench`'s commands and flags.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::stack::Layout;
+
+#[derive(Parser, Debug)]
+#[command(name = "konnectivity-bench", about = "The tunnel against direct loopback TCP")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Commands,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Commands {
+    /// Runs every measurement and prints the table.
+    Run(RunArgs),
+    /// Serves the benchmark targets (started by `run`; prints its ports).
+    Targets,
+    /// The scale run: many agent streams and tunnels into one server (root).
+    Scale(ScaleArgs),
+    /// Runs many proxy-agents in one process (started by `scale`).
+    Fleet(FleetArgs),
+    /// A plain relay (started by `run`; prints its port).
+    Relay {
+        /// The relay after this one; without, the target the client names.
+        #[arg(long)]
+        next: Option<std::net::SocketAddr>,
+    },
+}
+
+/// Where the binaries, certificates and scratch files are, for every run.
+#[derive(clap::Args, Debug, Clone)]
+pub struct LayoutArgs {
+    /// Directory holding proxy-server and proxy-agent (a release build).
+    #[arg(long)]
+    pub bin_dir: PathBuf,
+    /// Certificates from hack/gen-certs.sh.
+    #[arg(long)]
+    pub certs: PathBuf,
+    /// Scratch directory for sockets and process logs.
+    #[arg(long)]
+    pub work: PathBuf,
+}
+
+impl LayoutArgs {
+    pub fn layout(&self) -> Layout {
+        Layout {
+            bin_dir: self.bin_dir.clone(),
+            certs: self.certs.clone(),
+            work: self.work.clone(),
+        }
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    /// Runs per figure; the table shows the median.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// Bytes pushed through one connection, and through 8 together.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub bytes: u64,
+    /// Round trips measured per run.
+    #[arg(long, default_value_t = 5000)]
+    pub round_trips: usize,
+    /// Connections opened and closed per run of the set-up measurement.
+    #[arg(long, default_value_t = 5000)]
+    pub setups: usize,
+    /// Idle tunneled connections held for the memory measurement.
+    #[arg(long, default_value_t = 10_000)]
+    pub idle: usize,
+    /// The Go CONNECT client (bench/go/connect-client.go, built by
+    /// hack/bench.sh): its figures are reported beside ours.
+    #[arg(long)]
+    pub go_client: Option<PathBuf>,
+    /// The same client built with its gRPC route (bench/go/grpc_tunnel.go,
+    /// Debian's grpc-go), for the gRPC frontend.
+    #[arg(long)]
+    pub go_grpc_client: Option<PathBuf>,
+    /// Connections of the Go client's one-at-a-time dial measurement.
+    #[arg(long, default_value_t = 2000)]
+    pub go_dials: usize,
+    /// Only these measurements (one, down, eight, rtt, setup, memory, stall,
+    /// go); all by default.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+}
+
+impl RunArgs {
+    pub fn wants(&self, measurement: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|m| m == measurement)
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ScaleArgs {
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    /// Agent streams into the server.
+    #[arg(long, default_value_t = 1000)]
+    pub agents: usize,
+    /// Tunnels held open across them.
+    #[arg(long, default_value_t = 20_000)]
+    pub tunnels: usize,
+    /// Connections opened and closed per dial-rate measurement (with 2,000
+    /// the rate varied by a third between runs on 2 vCPUs; with 10,000 by a
+    /// tenth).
+    #[arg(long, default_value_t = 10_000)]
+    pub dials: usize,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct FleetArgs {
+    /// The number of the first agent, so that fleets split over processes
+    /// have distinct agents.
+    #[arg(long, default_value_t = 0)]
+    pub first: usize,
+    #[arg(long)]
+    pub agents: usize,
+    #[arg(long)]
+    pub server_port: u16,
+    #[arg(long)]
+    pub certs: PathBuf,
+    /// Holds agent-N, the token of agent N.
+    #[arg(long)]
+    pub tokens: PathBuf,
+}

@@ -1,0 +1,541 @@
+//! Handing the node role to the agent that replaces this one, without a gap
+//! (docs/handover.md says why this way).
+//!
+//! The node agent listens on `--handover-socket` (a `SOCK_SEQPACKET` Unix
+//! socket, so every message is one packet with its descriptors). A new agent
+//! that finds an agent answering there says hello; the old one stops
+//! changing pods and sends every listening socket it serves as a descriptor
+//! (SCM_RIGHTS): the health and admin listeners, the capture listeners, the CNI socket,
+//! each captured pod's listeners with the pod's namespace, and the hand-over
+//! socket itself. Both processes then hold the same sockets. The new agent
+//! starts accepting and says so (`taken`); only then does the old one stop
+//! accepting, give up the ownership lock and say so (`released`), and the new
+//! one takes the lock. No listener ever closes, so nothing queued on one is
+//! lost, and at every moment some agent accepts.
+//!
+//! The ownership lock (`PATH.lock`, flock) is what makes an agent the owner
+//! of the rules: only its holder may remove them, and an agent that starts
+//! with no predecessor answering takes it before it touches anything.
+
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use konnectivity_plumbing::sys::{recv_with_fds, send_with_fds};
+use serde::{Deserialize, Serialize};
+use socket2::{Domain, SockAddr, Socket, Type};
+
+use crate::pods::state::PodState;
+
+/// The protocol's version; a predecessor that speaks another refuses.
+const VERSION: u32 = 1;
+/// How long either side waits for the other's next packet once the
+/// exchange has begun; the hand-over itself takes milliseconds.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The largest packet (a pod's record is a few hundred bytes).
+const MAX_PACKET: usize = 64 * 1024;
+/// How long an agent waits for the ownership lock.
+const LOCK_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandoverError {
+    #[error("hand-over socket {path}: {source}")]
+    Socket { path: String, source: std::io::Error },
+    #[error("hand-over with the previous agent: {0}")]
+    Exchange(String),
+    #[error(
+        "{path} is held by another node agent, which does not answer on the hand-over socket; \
+         two agents must not own the capture rules at once"
+    )]
+    Owned { path: String },
+}
+
+fn exchange(error: impl std::fmt::Display) -> HandoverError {
+    HandoverError::Exchange(error.to_string())
+}
+
+/// What a listening socket is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Health,
+    /// The admin listener (`--admin-server-port`), when one was bound.
+    Admin,
+    Capture,
+    Cni,
+    Handover,
+}
+
+/// One packet. The descriptors it carries are said in its text.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Packet {
+    /// Successor: hand over, please.
+    Hello { version: u32 },
+    /// Predecessor: one listening socket (one descriptor).
+    Socket { role: Role },
+    /// Predecessor: a captured pod (descriptors: its namespace, then each
+    /// of its listeners).
+    Pod { state: PodState, listeners: usize },
+    /// Predecessor: that was all; the rules it installed, for comparison.
+    End { ruleset: String },
+    /// Successor: I accept on all of it now.
+    Taken,
+    /// Predecessor: I stopped accepting and gave up the lock.
+    Released,
+    /// Either: no hand-over, and why.
+    Refused { reason: String },
+}
+
+fn send(socket: &Socket, packet: &Packet, fds: &[OwnedFd]) -> std::io::Result<()> {
+    let text = serde_json::to_vec(packet).expect("packets serialize");
+    let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+    send_with_fds(socket.as_fd(), &text, &borrowed)
+}
+
+fn receive(socket: &Socket) -> Result<(Packet, Vec<OwnedFd>), HandoverError> {
+    let mut buffer = vec![0u8; MAX_PACKET];
+    let (length, fds) = recv_with_fds(socket.as_fd(), &mut buffer).map_err(exchange)?;
+    if length == 0 {
+        return Err(exchange("the other agent closed the connection"));
+    }
+    let packet = serde_json::from_slice(&buffer[..length]).map_err(exchange)?;
+    Ok((packet, fds))
+}
+
+/// The lock that makes its holder the owner of the capture rules.
+pub struct Ownership {
+    _file: File,
+}
+
+impl Ownership {
+    /// Takes the lock next to `socket`, waiting a while for a predecessor
+    /// that is letting it go.
+    pub fn take(socket: &Path) -> Result<Ownership, HandoverError> {
+        Ownership::take_within(socket, LOCK_WAIT)
+    }
+
+    fn take_within(socket: &Path, wait: Duration) -> Result<Ownership, HandoverError> {
+        let path = lock_path(socket);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| HandoverError::Socket {
+                path: dir.display().to_string(),
+                source,
+            })?;
+        }
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| HandoverError::Socket {
+                path: path.display().to_string(),
+                source,
+            })?;
+        let deadline = Instant::now() + wait;
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(Ownership { _file: file }),
+                Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(HandoverError::Owned {
+                        path: path.display().to_string(),
+                    });
+                }
+                Err(std::fs::TryLockError::Error(source)) => {
+                    return Err(HandoverError::Socket {
+                        path: path.display().to_string(),
+                        source,
+                    });
+                }
+            }
+        }
+    }
+}
+
+fn lock_path(socket: &Path) -> PathBuf {
+    let mut name = socket.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Binds a fresh hand-over socket at `path` (the owner alone does, so a
+/// file left there is stale).
+pub fn bind(path: &Path) -> Result<Socket, HandoverError> {
+    let error = |source| HandoverError::Socket {
+        path: path.display().to_string(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(error)?;
+    }
+    let _ = std::fs::remove_file(path);
+    let socket = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None).map_err(error)?;
+    socket
+        .bind(&SockAddr::unix(path).map_err(error)?)
+        .map_err(error)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(error)?;
+    socket.listen(8).map_err(error)?;
+    Ok(socket)
+}
+
+/// The agent answering on the hand-over socket, found at start.
+pub struct Predecessor {
+    channel: Socket,
+}
+
+impl Predecessor {
+    /// Connects to the agent listening at `path`; `None` when none is (no
+    /// socket file, or a file no process listens on: the agent before was
+    /// killed).
+    pub fn find(path: &Path) -> Result<Option<Predecessor>, HandoverError> {
+        let error = |source| HandoverError::Socket {
+            path: path.display().to_string(),
+            source,
+        };
+        let channel = Socket::new(Domain::UNIX, Type::SEQPACKET.cloexec(), None).map_err(error)?;
+        match channel.connect(&SockAddr::unix(path).map_err(error)?) {
+            Ok(()) => Ok(Some(Predecessor { channel })),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(error(e)),
+        }
+    }
+
+    /// Asks for everything and receives it. The predecessor keeps serving
+    /// until [`Inheritance::confirm`].
+    pub fn receive(self) -> Result<Inheritance, HandoverError> {
+        let channel = self.channel;
+        channel
+            .set_read_timeout(Some(EXCHANGE_TIMEOUT))
+            .map_err(exchange)?;
+        send(&channel, &Packet::Hello { version: VERSION }, &[]).map_err(exchange)?;
+        let mut inheritance = Inheritance {
+            sockets: Vec::new(),
+            pods: Vec::new(),
+            ruleset: String::new(),
+            channel,
+        };
+        loop {
+            let (packet, mut fds) = receive(&inheritance.channel)?;
+            match packet {
+                Packet::Socket { role } if fds.len() == 1 => {
+                    inheritance.sockets.push((role, fds.remove(0)));
+                }
+                Packet::Pod { state, listeners } if fds.len() == listeners + 1 => {
+                    let netns = File::from(fds.remove(0));
+                    inheritance.pods.push(InheritedPod {
+                        state,
+                        netns,
+                        listeners: fds,
+                    });
+                }
+                Packet::End { ruleset } => {
+                    inheritance.ruleset = ruleset;
+                    return Ok(inheritance);
+                }
+                Packet::Refused { reason } => return Err(exchange(format!("refused: {reason}"))),
+                other => {
+                    return Err(exchange(format!(
+                        "unexpected {other:?} with {} descriptors",
+                        fds.len()
+                    )));
+                }
+            }
+        }
+    }
+}
+
+/// A captured pod as the predecessor held it.
+pub struct InheritedPod {
+    pub state: PodState,
+    /// Its network namespace, held open.
+    pub netns: File,
+    pub listeners: Vec<OwnedFd>,
+}
+
+/// Everything the predecessor served.
+pub struct Inheritance {
+    pub sockets: Vec<(Role, OwnedFd)>,
+    pub pods: Vec<InheritedPod>,
+    /// The predecessor's host ruleset.
+    pub ruleset: String,
+    channel: Socket,
+}
+
+impl Inheritance {
+    /// The sockets with `role`, taken out.
+    pub fn take(&mut self, role: Role) -> Vec<OwnedFd> {
+        let (taken, kept) = std::mem::take(&mut self.sockets)
+            .into_iter()
+            .partition(|(r, _)| *r == role);
+        self.sockets = kept;
+        taken.into_iter().map(|(_, fd)| fd).collect()
+    }
+
+    /// Says that this agent accepts on everything now, and waits until the
+    /// predecessor has stopped and let the lock go.
+    pub fn confirm(self) -> Result<(), HandoverError> {
+        send(&self.channel, &Packet::Taken, &[]).map_err(exchange)?;
+        match receive(&self.channel)? {
+            (Packet::Released, _) => Ok(()),
+            (other, _) => Err(exchange(format!("expected released, got {other:?}"))),
+        }
+    }
+}
+
+/// What the node role gives a successor, taken while it changes nothing.
+pub struct Snapshot {
+    pub sockets: Vec<(Role, OwnedFd)>,
+    pub pods: Vec<(PodState, Vec<OwnedFd>)>,
+    pub ruleset: String,
+}
+
+/// The node role as the hand-over server sees it.
+pub trait Handing: Send + Sync {
+    /// A successor connected and waits to take over (`true`), or went away
+    /// without (`false`).
+    fn successor_waiting(&self, waiting: bool);
+    /// Stops changing pods and accepting pod requests; what it serves.
+    fn pause(&self) -> Result<Snapshot, String>;
+    /// The successor did not take over: carry on as before.
+    fn resume(&self);
+    /// The successor accepts on everything: stop accepting and give up the
+    /// ownership lock.
+    fn hand_over(&self);
+}
+
+/// Answers hand-over requests on `listener`, one at a time, until one
+/// succeeds; runs on a thread of its own (the exchange is a few blocking
+/// packets).
+pub fn serve(listener: &Socket, role: &dyn Handing) {
+    loop {
+        let channel = match listener.accept() {
+            Ok((channel, _)) => channel,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(error) => {
+                tracing::warn!(%error, "hand-over socket accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        role.successor_waiting(true);
+        let outcome = hand_over_on(&channel, role);
+        role.successor_waiting(false);
+        match outcome {
+            Ok(()) => return,
+            Err(error) => tracing::warn!(%error, "no hand-over; carrying on"),
+        }
+    }
+}
+
+fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverError> {
+    // A successor connects as soon as it starts, and says hello once its own
+    // node tunnel answers (it must be able to serve what it takes): that
+    // may take a while. It closes the connection if it dies meanwhile.
+    channel.set_read_timeout(None).map_err(exchange)?;
+    let hello = receive(channel)?;
+    channel
+        .set_read_timeout(Some(EXCHANGE_TIMEOUT))
+        .map_err(exchange)?;
+    match hello {
+        (Packet::Hello { version: VERSION }, _) => {}
+        (Packet::Hello { version }, _) => {
+            return Err(refuse(
+                channel,
+                format!("this agent speaks hand-over version {VERSION}, not {version}"),
+            ));
+        }
+        (other, _) => return Err(exchange(format!("expected hello, got {other:?}"))),
+    }
+    let snapshot = role.pause().map_err(|reason| refuse(channel, reason))?;
+    let sent = send_snapshot(channel, snapshot).and_then(|()| match receive(channel)? {
+        (Packet::Taken, _) => Ok(()),
+        (other, _) => Err(exchange(format!("expected taken, got {other:?}"))),
+    });
+    if let Err(error) = sent {
+        role.resume();
+        return Err(error);
+    }
+    role.hand_over();
+    // Said once everything stopped and the lock is free; if the successor
+    // is gone by now, it has the sockets and the lock is free all the same.
+    let _ = send(channel, &Packet::Released, &[]);
+    Ok(())
+}
+
+/// Tells the successor there is no hand-over, and why; the error to log.
+fn refuse(channel: &Socket, reason: String) -> HandoverError {
+    let _ = send(
+        channel,
+        &Packet::Refused {
+            reason: reason.clone(),
+        },
+        &[],
+    );
+    exchange(reason)
+}
+
+fn send_snapshot(channel: &Socket, snapshot: Snapshot) -> Result<(), HandoverError> {
+    for (role, fd) in snapshot.sockets {
+        send(channel, &Packet::Socket { role }, &[fd]).map_err(exchange)?;
+    }
+    for (state, fds) in snapshot.pods {
+        let listeners = fds.len() - 1;
+        send(channel, &Packet::Pod { state, listeners }, &fds).map_err(exchange)?;
+    }
+    send(
+        channel,
+        &Packet::End {
+            ruleset: snapshot.ruleset,
+        },
+        &[],
+    )
+    .map_err(exchange)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::sync::Mutex;
+
+    struct Dir(PathBuf);
+    impl Dir {
+        fn new(tag: &str) -> Dir {
+            let dir = std::env::temp_dir().join(format!("konn-handover-{tag}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            Dir(dir)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A role that serves one TCP listener and records what happened.
+    struct Fake {
+        listener: std::net::TcpListener,
+        events: Mutex<Vec<&'static str>>,
+    }
+
+    impl Handing for Fake {
+        fn successor_waiting(&self, _: bool) {}
+
+        fn pause(&self) -> Result<Snapshot, String> {
+            self.events.lock().unwrap().push("pause");
+            Ok(Snapshot {
+                sockets: vec![(Role::Capture, self.listener.as_fd().try_clone_to_owned().unwrap())],
+                pods: Vec::new(),
+                ruleset: "rules".to_owned(),
+            })
+        }
+        fn resume(&self) {
+            self.events.lock().unwrap().push("resume");
+        }
+        fn hand_over(&self) {
+            self.events.lock().unwrap().push("hand_over");
+        }
+    }
+
+    fn fake() -> Fake {
+        Fake {
+            listener: std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    #[test]
+    fn a_connection_queued_before_the_hand_over_is_accepted_by_the_successor() {
+        let dir = Dir::new("queued");
+        let path = dir.0.join("handover.sock");
+        let listener = bind(&path).unwrap();
+        let old = std::sync::Arc::new(fake());
+        // A client whose connection waits in the listener's queue: nobody
+        // accepted it before the hand-over.
+        let mut client = std::net::TcpStream::connect(old.listener.local_addr().unwrap()).unwrap();
+        client.write_all(b"queued").unwrap();
+        let serving = old.clone();
+        let server = std::thread::spawn(move || serve(&listener, &*serving));
+
+        let mut inheritance = Predecessor::find(&path)
+            .unwrap()
+            .expect("an agent answers")
+            .receive()
+            .unwrap();
+        assert_eq!(inheritance.ruleset, "rules");
+        let capture = inheritance.take(Role::Capture);
+        assert_eq!(capture.len(), 1);
+        inheritance.confirm().unwrap();
+        server.join().unwrap();
+        assert_eq!(*old.events.lock().unwrap(), ["pause", "hand_over"]);
+        // The old process closes its copy; the socket lives on in ours.
+        drop(old);
+        let taken = std::net::TcpListener::from(capture.into_iter().next().unwrap());
+        let (mut accepted, _) = taken.accept().unwrap();
+        let mut text = [0u8; 6];
+        accepted.read_exact(&mut text).unwrap();
+        assert_eq!(&text, b"queued");
+    }
+
+    #[test]
+    fn a_successor_that_goes_away_before_taking_over_leaves_the_predecessor_serving() {
+        let dir = Dir::new("gone");
+        let path = dir.0.join("handover.sock");
+        let listener = bind(&path).unwrap();
+        let old = std::sync::Arc::new(fake());
+        let serving = old.clone();
+        let server = std::thread::spawn(move || serve(&listener, &*serving));
+        // Receives everything, then dies without saying `taken`.
+        let inheritance = Predecessor::find(&path).unwrap().unwrap().receive().unwrap();
+        drop(inheritance);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while old.events.lock().unwrap().len() < 2 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(*old.events.lock().unwrap(), ["pause", "resume"]);
+        // And a later successor is served.
+        let mut inheritance = Predecessor::find(&path).unwrap().unwrap().receive().unwrap();
+        assert_eq!(inheritance.take(Role::Capture).len(), 1);
+        inheritance.confirm().unwrap();
+        server.join().unwrap();
+        assert_eq!(
+            *old.events.lock().unwrap(),
+            ["pause", "resume", "pause", "hand_over"]
+        );
+    }
+
+    #[test]
+    fn no_predecessor_answers_on_a_missing_or_stale_socket() {
+        let dir = Dir::new("stale");
+        let path = dir.0.join("handover.sock");
+        assert!(Predecessor::find(&path).unwrap().is_none());
+        // A socket file left by a killed agent: nobody listens on it.
+        drop(bind(&path).unwrap());
+        assert!(path.exists());
+        assert!(Predecessor::find(&path).unwrap().is_none());
+    }
+
+    #[test]
+    fn one_owner_at_a_time() {
+        let dir = Dir::new("owner");
+        let path = dir.0.join("handover.sock");
+        let first = Ownership::take_within(&path, Duration::ZERO).unwrap();
+        assert!(matches!(
+            Ownership::take_within(&path, Duration::from_millis(100)),
+            Err(HandoverError::Owned { .. })
+        ));
+        drop(first);
+        Ownership::take_within(&path, Duration::ZERO).unwrap();
+    }
+}

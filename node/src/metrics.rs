@@ -1,0 +1,64 @@
+//! The node role's metrics, in the agent's registry
+//! (`konnectivity_network_proxy_agent_*`; none of them upstream's).
+
+use konnectivity_telemetry::metrics::{GoCounter, Labels, register};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// What became of a captured connection (node role).
+#[derive(Clone, Copy, Debug)]
+pub enum CaptureOutcome {
+    Tunneled,
+    /// Its original destination is not in the capture map: closed, never forwarded.
+    UnknownDestination,
+    /// The node tunnel is not connected: reset so the client retries.
+    TunnelUnavailable,
+    /// The server or control-plane agent could not reach the target.
+    DialFailed,
+}
+
+#[derive(Debug, Default)]
+pub struct NodeMetrics {
+    /// Captured connections being tunneled now.
+    pub captured_connections_open: Gauge,
+    /// Whether the node tunnel answers its probes.
+    pub node_tunnel_up: Gauge,
+    captured: Family<Labels, GoCounter>,
+}
+
+impl NodeMetrics {
+    /// The node role's families, registered in the agent's `registry`.
+    pub fn register(registry: &mut Registry) -> NodeMetrics {
+        let metrics = NodeMetrics::default();
+        register(
+            registry,
+            "captured_connections_open",
+            "Captured node connections being tunneled now.",
+            metrics.captured_connections_open.clone(),
+        );
+        register(
+            registry,
+            "node_tunnel_up",
+            "1 while the node tunnel to the server's node frontend answers its probes, 0 while it does not (node role).",
+            metrics.node_tunnel_up.clone(),
+        );
+        register(
+            registry,
+            "captured_connections_total",
+            "Captured node connections, by outcome.",
+            metrics.captured.clone(),
+        );
+        metrics
+    }
+
+    pub fn captured(&self, outcome: CaptureOutcome) {
+        let outcome = match outcome {
+            CaptureOutcome::Tunneled => "tunneled",
+            CaptureOutcome::UnknownDestination => "unknown_destination",
+            CaptureOutcome::TunnelUnavailable => "tunnel_unavailable",
+            CaptureOutcome::DialFailed => "dial_failed",
+        };
+        self.captured.get_or_create(&vec![("outcome", outcome)]).inc();
+    }
+}

@@ -1,0 +1,38 @@
+//! What the node role is told: the agent's flags, validated (the agent's
+//! `config.rs` makes these).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::capture::map::CaptureMap;
+
+/// Everything the node role needs from the agent's configuration.
+#[derive(Clone)]
+pub struct NodeSettings {
+    pub captures: CaptureMap,
+    pub capture_port: u16,
+    pub mark: u32,
+    pub server_host: String,
+    pub node_frontend_port: u16,
+    pub tls: Arc<rustls::ClientConfig>,
+    pub sync_interval: Duration,
+    pub sync_interval_cap: Duration,
+    /// Pod capture: the CNI socket and the state directory.
+    pub cni: Option<CniSettings>,
+    /// `--handover-socket`.
+    pub handover_socket: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, Debug)]
+pub struct CniSettings {
+    pub socket: std::path::PathBuf,
+    pub state_dir: std::path::PathBuf,
+    /// `--pod-netns-dir`; `None` when empty.
+    pub netns_dir: Option<std::path::PathBuf>,
+    /// `--cni-cache-dir`; `None` when empty.
+    pub cni_cache_dir: Option<std::path::PathBuf>,
+    /// `--cni-conf-dir`.
+    pub cni_conf_dir: std::path::PathBuf,
+    /// `--exclude-namespaces`.
+    pub exclude_namespaces: Vec<String>,
+}
