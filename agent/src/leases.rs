@@ -2,7 +2,9 @@
 //! upstream's agents do: every server holds a Lease with known labels and
 //! renews it; the valid ones are the servers alive. The agent lists them
 //! once, then watches for changes, and recounts every second, because a
-//! Lease expires by the clock, without any event.
+//! Lease expires by the clock, without any event. A watch that ends, or
+//! whose connection fails, is taken up again from the last resourceVersion
+//! seen; only kube-apiserver's 410 Expired makes the agent list again.
 //!
 //! The count follows upstream's rules: no valid Lease counts as one server.
 //! Ours beyond upstream: a Lease is judged at the time the agent last heard
@@ -83,6 +85,7 @@ impl LeaseCount {
             heard: SystemTime::UNIX_EPOCH,
             failing: false,
             hold_until: SystemTime::UNIX_EPOCH,
+            version: None,
         };
         LeaseCount {
             count,
@@ -125,6 +128,9 @@ struct Counter {
     /// Until then the count may grow but not drop: servers are catching up
     /// on renewals after kube-apiserver was away.
     hold_until: SystemTime,
+    /// The resourceVersion the next watch starts from: the last one listed
+    /// or watched. `None` until the first list, and after a 410 Expired.
+    version: Option<String>,
 }
 
 impl Counter {
@@ -148,18 +154,24 @@ impl Counter {
         }
     }
 
-    /// Lists the Leases, then follows their changes until a watch cannot
-    /// go on from the version it had (`Ok`) or a call fails (`Err`).
+    /// Follows the Leases' changes from the last version seen (listing
+    /// them first when there is none) until a watch cannot go on from it
+    /// (`Ok`: 410 Expired, list again) or a call fails (`Err`: the next
+    /// call watches on from the same version, as client-go's reflector
+    /// does, so that kube-apiserver coming back is not met by every agent
+    /// listing at once).
     async fn follow(&mut self) -> Result<(), FollowError> {
         let client = self.client.clone();
         let namespace = self.settings.namespace.clone();
         let leases = Leases::new(&client, &namespace);
-        let mut version = self.list(&leases).await?;
+        if self.version.is_none() {
+            self.version = Some(self.list(&leases).await?);
+        }
         let mut recount = tokio::time::interval(RECOUNT_EVERY);
         loop {
+            let version = self.version.clone().expect("listed or watched");
             let mut events = self.watch(&leases, &version).await?;
-            self.heard = SystemTime::now();
-            self.failing = false;
+            self.answered();
             loop {
                 let event = tokio::select! {
                     event = tokio::time::timeout(WATCH_SILENCE, events.next::<Lease>()) => {
@@ -171,19 +183,23 @@ impl Counter {
                     }
                 };
                 self.heard = SystemTime::now();
-                match event {
+                let version = match event {
                     // The watch's time is up: the next one goes on from here.
                     None => break,
                     Some(WatchEvent::Added(lease) | WatchEvent::Modified(lease)) => {
-                        version = lease.metadata.resource_version.clone();
+                        let version = lease.metadata.resource_version.clone();
                         self.known.insert(lease.metadata.name.clone(), lease);
+                        version
                     }
                     Some(WatchEvent::Deleted(lease)) => {
-                        version = lease.metadata.resource_version.clone();
                         self.known.remove(&lease.metadata.name);
+                        lease.metadata.resource_version
                     }
-                    Some(WatchEvent::Bookmark { resource_version }) => version = resource_version,
-                    Some(WatchEvent::Error { code: 410, .. }) => return Ok(()),
+                    Some(WatchEvent::Bookmark { resource_version }) => resource_version,
+                    Some(WatchEvent::Error { code: 410, .. }) => {
+                        self.version = None;
+                        return Ok(());
+                    }
                     Some(WatchEvent::Error {
                         code,
                         reason,
@@ -195,10 +211,33 @@ impl Counter {
                             message,
                         });
                     }
-                }
+                };
+                self.version = Some(version);
                 self.recount();
             }
         }
+    }
+
+    /// kube-apiserver answered a list or a watch: after a failure, the
+    /// count may not drop for one Lease duration, since no server could
+    /// renew meanwhile either and they need that long to catch up.
+    fn answered(&mut self) {
+        self.heard = SystemTime::now();
+        if self.failing {
+            let longest = self
+                .known
+                .values()
+                .filter_map(|lease| lease.spec.lease_duration_seconds)
+                .max()
+                .unwrap_or(30)
+                .max(0);
+            self.hold_until = self.heard + Duration::from_secs(longest as u64);
+            tracing::info!(
+                count = *self.publish.borrow(),
+                "kube-apiserver answers again: following proxy-server Leases; the count will not drop for one Lease duration"
+            );
+        }
+        self.failing = false;
     }
 
     /// Lists the Leases into `known`; returns the list's resourceVersion.
@@ -220,22 +259,7 @@ impl Counter {
             .into_iter()
             .map(|lease| (lease.metadata.name.clone(), lease))
             .collect();
-        self.heard = SystemTime::now();
-        if self.failing {
-            let longest = self
-                .known
-                .values()
-                .filter_map(|lease| lease.spec.lease_duration_seconds)
-                .max()
-                .unwrap_or(30)
-                .max(0);
-            self.hold_until = self.heard + Duration::from_secs(longest as u64);
-            tracing::info!(
-                count = *self.publish.borrow(),
-                "listing proxy-server Leases again; the count will not drop for one Lease duration"
-            );
-        }
-        self.failing = false;
+        self.answered();
         self.recount();
         Ok(list.metadata.resource_version)
     }

@@ -1,11 +1,23 @@
 //! The client: HTTPS to kube-apiserver with the credentials of a kubeconfig
 //! or of the pod, JSON in and out.
+//!
+//! Like client-go, it offers HTTP/2 and HTTP/1.1 and takes what
+//! kube-apiserver picks (HTTP/2, unless it runs with HTTP/2 off). Over
+//! HTTP/2 every request and every watch is a stream of one connection, so
+//! a burst of TokenReviews when many agents reconnect costs one TLS
+//! handshake, not one each. Over HTTP/1.1 a request that finds the one
+//! kept connection busy opens one of its own, and a watch holds its
+//! connection until it ends.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode, header};
 use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::SendRequest;
-use hyper_util::rt::TokioIo;
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::Mutex;
@@ -15,18 +27,58 @@ use crate::config::{Credentials, KubeEndpoint};
 use crate::error::{KubeError, MAX_ANSWER, REQUEST_TIMEOUT, status_error};
 use crate::watch::WatchStream;
 
+/// client-go's HTTP/2 health check: a connection that has received nothing
+/// for this long is pinged...
+const PING_AFTER: Duration = Duration::from_secs(30);
+/// ...and closed if the ping is not answered within this, so a request or
+/// watch never waits on a connection that died silently.
+const PING_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// What kube-apiserver chose at the last TLS handshake (ALPN).
+const UNKNOWN: u8 = 0;
+const HTTP2: u8 = 1;
+const HTTP1: u8 = 2;
+
+type Body = Full<Bytes>;
+
 pub struct KubeClient {
     endpoint: KubeEndpoint,
-    /// An idle connection from an earlier request; concurrent requests open
-    /// their own, and only one is kept.
-    idle: Mutex<Option<SendRequest<Full<Bytes>>>>,
+    connections: Mutex<Connections>,
+    /// The protocol kube-apiserver chose last: while it is HTTP/2 (or not
+    /// known yet), a request that needs a connection opens it while holding
+    /// `connections`, so that concurrent requests share it.
+    protocol: AtomicU8,
+}
+
+#[derive(Default)]
+struct Connections {
+    /// The HTTP/2 connection every request shares, while it is open.
+    shared: Option<http2::SendRequest<Body>>,
+    /// An idle HTTP/1.1 connection from an earlier request.
+    idle: Option<http1::SendRequest<Body>>,
+}
+
+/// A connection to send one request on.
+enum Sender {
+    Http2(http2::SendRequest<Body>),
+    Http1(http1::SendRequest<Body>),
+}
+
+impl Sender {
+    async fn send(&mut self, request: Request<Body>) -> Result<http::Response<Incoming>, hyper::Error> {
+        match self {
+            Sender::Http2(sender) => sender.send_request(request).await,
+            Sender::Http1(sender) => sender.send_request(request).await,
+        }
+    }
 }
 
 impl KubeClient {
     pub fn new(endpoint: KubeEndpoint) -> KubeClient {
         KubeClient {
             endpoint,
-            idle: Mutex::new(None),
+            connections: Mutex::new(Connections::default()),
+            protocol: AtomicU8::new(UNKNOWN),
         }
     }
 
@@ -94,21 +146,19 @@ impl KubeClient {
         })
     }
 
-    /// Starts a watch (`path` with `watch=true` in its query) on a
-    /// connection of its own, which the watch holds until it is dropped.
+    /// Starts a watch (`path` with `watch=true` in its query): a stream of
+    /// the shared HTTP/2 connection, or an HTTP/1.1 connection of its own,
+    /// held until the watch is dropped.
     pub async fn watch(&self, path: &str) -> Result<WatchStream, KubeError> {
         let server = || self.endpoint.server.clone();
         self.wait_for_turn().await;
-        let request = self.request(Method::GET, path, None).await?;
         let started = async {
-            let mut sender = self.connect().await?;
-            sender
-                .send_request(request)
-                .await
-                .map_err(|source| KubeError::Http {
-                    server: server(),
-                    source,
-                })
+            let mut sender = self.sender().await?;
+            let request = self.request(&sender, Method::GET, path, None).await?;
+            sender.send(request).await.map_err(|source| KubeError::Http {
+                server: server(),
+                source,
+            })
         };
         let response = tokio::time::timeout(REQUEST_TIMEOUT, started)
             .await
@@ -127,14 +177,21 @@ impl KubeClient {
 
     async fn request(
         &self,
+        sender: &Sender,
         method: Method,
         path: &str,
         body: Option<Vec<u8>>,
-    ) -> Result<Request<Full<Bytes>>, KubeError> {
-        let mut request = Request::builder()
+    ) -> Result<Request<Body>, KubeError> {
+        let target = format!("{}{path}", self.endpoint.path_prefix);
+        let mut request = match sender {
+            // HTTP/2 carries the scheme and authority in the request itself.
+            Sender::Http2(_) => Request::builder().uri(format!("https://{}{target}", self.authority())),
+            Sender::Http1(_) => Request::builder()
+                .uri(target)
+                .header(header::HOST, self.authority()),
+        };
+        request = request
             .method(method)
-            .uri(format!("{}{path}", self.endpoint.path_prefix))
-            .header(header::HOST, self.authority())
             .header(header::ACCEPT, "application/json")
             .header(
                 header::USER_AGENT,
@@ -157,17 +214,13 @@ impl KubeClient {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<(StatusCode, Bytes), KubeError> {
-        let request = self.request(method.clone(), path, body).await?;
-        let idle = self.idle.lock().await.take();
-        let mut sender = match idle {
-            Some(sender) if sender.is_ready() => sender,
-            _ => self.connect().await?,
-        };
+        let mut sender = self.sender().await?;
+        let request = self.request(&sender, method.clone(), path, body).await?;
         let http = |source| KubeError::Http {
             server: self.endpoint.server.clone(),
             source,
         };
-        let response = sender.send_request(request).await.map_err(http)?;
+        let response = sender.send(request).await.map_err(http)?;
         let status = response.status();
         let body = http_body_util::Limited::new(response.into_body(), MAX_ANSWER)
             .collect()
@@ -179,8 +232,36 @@ impl KubeClient {
                 problem: e.to_string(),
             })?
             .to_bytes();
-        *self.idle.lock().await = Some(sender);
+        if let Sender::Http1(sender) = sender {
+            let mut connections = self.connections.lock().await;
+            if connections.idle.is_none() {
+                connections.idle = Some(sender);
+            }
+        }
         Ok((status, body))
+    }
+
+    /// A connection for one request: the shared HTTP/2 connection, an idle
+    /// HTTP/1.1 one, or a new one.
+    async fn sender(&self) -> Result<Sender, KubeError> {
+        let mut connections = self.connections.lock().await;
+        if let Some(shared) = connections.shared.as_ref().filter(|shared| !shared.is_closed()) {
+            return Ok(Sender::Http2(shared.clone()));
+        }
+        connections.shared = None;
+        if let Some(idle) = connections.idle.take().filter(|idle| idle.is_ready()) {
+            return Ok(Sender::Http1(idle));
+        }
+        if self.protocol.load(Ordering::Relaxed) == HTTP1 {
+            // One connection per request: no reason to make the others wait.
+            drop(connections);
+            return self.connect().await;
+        }
+        let sender = self.connect().await?;
+        if let Sender::Http2(shared) = &sender {
+            connections.shared = Some(shared.clone());
+        }
+        Ok(sender)
     }
 
     fn authority(&self) -> String {
@@ -208,8 +289,13 @@ impl KubeClient {
         }
     }
 
-    async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, KubeError> {
+    /// A new connection, in the protocol kube-apiserver chose.
+    async fn connect(&self) -> Result<Sender, KubeError> {
         let connect_error = |source| KubeError::Connect {
+            server: self.endpoint.server.clone(),
+            source,
+        };
+        let http_error = |source| KubeError::Http {
             server: self.endpoint.server.clone(),
             source,
         };
@@ -226,17 +312,38 @@ impl KubeClient {
             .connect(name, tcp)
             .await
             .map_err(connect_error)?;
-        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-            .await
-            .map_err(|source| KubeError::Http {
-                server: self.endpoint.server.clone(),
-                source,
-            })?;
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                tracing::debug!(%error, "kube-apiserver connection ended");
-            }
-        });
-        Ok(sender)
+        let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        self.protocol
+            .store(if http2 { HTTP2 } else { HTTP1 }, Ordering::Relaxed);
+        tracing::debug!(
+            server = %self.endpoint.server,
+            protocol = if http2 { "HTTP/2" } else { "HTTP/1.1" },
+            "connected to kube-apiserver"
+        );
+        let io = TokioIo::new(tls);
+        if http2 {
+            let (sender, connection) = http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .keep_alive_interval(PING_AFTER)
+                .keep_alive_timeout(PING_TIMEOUT)
+                .keep_alive_while_idle(true)
+                .handshake(io)
+                .await
+                .map_err(http_error)?;
+            tokio::spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(%error, "kube-apiserver connection ended");
+                }
+            });
+            Ok(Sender::Http2(sender))
+        } else {
+            let (sender, connection) = http1::handshake(io).await.map_err(http_error)?;
+            tokio::spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(%error, "kube-apiserver connection ended");
+                }
+            });
+            Ok(Sender::Http1(sender))
+        }
     }
 }

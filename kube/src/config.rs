@@ -359,7 +359,8 @@ fn tls_config(roots: RootCertStore, identity: Option<(Vec<u8>, Vec<u8>)>) -> Res
             PrivateKeyDer::from_pem_slice(&key).map_err(|e| format!("client key: {e}"))?,
         )),
     };
-    konnectivity_plumbing::tls::client_config_from(roots, identity, &[b"http/1.1"])
+    // As client-go's transport: HTTP/2 where kube-apiserver offers it.
+    konnectivity_plumbing::tls::client_config_from(roots, identity, &[b"h2", b"http/1.1"])
         .map_err(|e| format!("client certificate and key: {e}"))
 }
 

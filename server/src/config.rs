@@ -280,14 +280,17 @@ pub struct Config {
     pub max_tunnels_per_frontend: usize,
     /// `--enable-lease-controller` and its settings.
     pub leases: Option<LeaseSettings>,
+    /// kube-apiserver (`--kubeconfig`, with `--kubeconfig-qps` and
+    /// `--kubeconfig-burst`), when token authentication or the Lease
+    /// controller needs it: one client, one connection, for both.
+    pub kube: Option<KubeEndpoint>,
 }
 
-/// `--agent-namespace` & co.: whom to admit, and the kube-apiserver that
-/// reviews the tokens.
+/// `--agent-namespace` & co.: whom to admit (kube-apiserver reviews the
+/// tokens: [`Config::kube`]).
 #[derive(Clone, Debug)]
 pub struct AgentTokenAuth {
     pub allowed: AllowedAgents,
-    pub kube: KubeEndpoint,
 }
 
 /// Errors name the flag at fault; main exits with status 2 on them.
@@ -412,22 +415,19 @@ impl Config {
         }
         // One limit for every request, as upstream's one client has.
         let rate_limit = RateLimit::from_flags(args.kubeconfig_qps, args.kubeconfig_burst).map(Arc::new);
-        let mut leases = lease_settings(args)?;
-        if let Some(leases) = &mut leases {
-            leases.kube.rate_limit = rate_limit.clone();
-        }
-        let agent_auth = if token_auth.iter().any(|v| !v.is_empty()) {
+        let leases = lease_settings(args)?;
+        let agent_auth = token_auth.iter().any(|v| !v.is_empty()).then(|| AgentTokenAuth {
+            allowed: AllowedAgents {
+                namespace: args.agent_namespace.clone(),
+                service_account: args.agent_service_account.clone(),
+                audience: args.authentication_audience.clone(),
+            },
+        });
+        let kube = if agent_auth.is_some() || leases.is_some() {
             let mut kube = KubeEndpoint::from_flag(&args.kubeconfig)
                 .map_err(|e| invalid("kubeconfig", e.to_string()))?;
             kube.rate_limit = rate_limit;
-            Some(AgentTokenAuth {
-                allowed: AllowedAgents {
-                    namespace: args.agent_namespace.clone(),
-                    service_account: args.agent_service_account.clone(),
-                    audience: args.authentication_audience.clone(),
-                },
-                kube,
-            })
+            Some(kube)
         } else {
             None
         };
@@ -476,6 +476,7 @@ impl Config {
             agent_auth,
             max_tunnels_per_frontend: args.max_tunnels_per_frontend,
             leases,
+            kube,
         })
     }
 }
@@ -518,9 +519,7 @@ fn lease_settings(args: &Args) -> Result<Option<LeaseSettings>, ConfigError> {
     if args.lease_gc_interval.is_zero() {
         return Err(invalid("lease-gc-interval", "must be greater than 0"));
     }
-    let kube = KubeEndpoint::from_flag(&args.kubeconfig).map_err(|e| invalid("kubeconfig", e.to_string()))?;
     Ok(Some(LeaseSettings {
-        kube,
         namespace: args.lease_namespace.clone(),
         labels,
         duration: args.lease_duration,

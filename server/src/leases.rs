@@ -23,7 +23,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use http::StatusCode;
 use konnectivity_kube::lease::{Lease, LeaseSpec, Leases, MicroTime, ObjectMeta};
-use konnectivity_kube::{KubeClient, KubeEndpoint, KubeError};
+use konnectivity_kube::{KubeClient, KubeError};
 use tokio::task::JoinHandle;
 
 use crate::metrics::ServerMetrics;
@@ -39,7 +39,6 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// `--enable-lease-controller` and the flags that go with it.
 #[derive(Clone, Debug)]
 pub struct LeaseSettings {
-    pub kube: KubeEndpoint,
     /// `--lease-namespace`.
     pub namespace: String,
     /// `--lease-label`: put on our Lease, and the selector of the Leases
@@ -68,11 +67,11 @@ pub(crate) fn lease_name(server_id: &str) -> String {
 
 impl LeaseController {
     pub(crate) fn start(
+        client: Arc<KubeClient>,
         settings: &LeaseSettings,
         server_id: &str,
         metrics: Arc<ServerMetrics>,
     ) -> LeaseController {
-        let client = Arc::new(KubeClient::new(settings.kube.clone()));
         let name = lease_name(server_id);
         tracing::info!(
             lease = %name,

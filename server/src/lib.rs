@@ -60,6 +60,7 @@ use crate::serving::{bind_tcp, grpc_server, tls_incoming};
 /// keeps accepting while the frontends drain: their tunnels need agents.
 async fn agent_server(
     config: &Config,
+    kube: Option<&Arc<KubeClient>>,
     registry: Arc<Registry>,
     metrics: Arc<ServerMetrics>,
 ) -> Result<impl Future<Output = Result<(), tonic::transport::Error>>, ServeError> {
@@ -71,10 +72,10 @@ async fn agent_server(
         &config.tls_offer,
     )?;
     let streams = tls_incoming(listener, tls, "agent", None);
-    let auth = config
-        .agent_auth
-        .as_ref()
-        .map(|auth| TokenAuthenticator::new(KubeClient::new(auth.kube.clone()), auth.allowed.clone()));
+    let auth = config.agent_auth.as_ref().map(|auth| {
+        let kube = kube.expect("token authentication comes with a kube-apiserver");
+        TokenAuthenticator::new(kube.clone(), auth.allowed.clone())
+    });
     let service = AgentServer::new(
         registry,
         metrics,
@@ -102,7 +103,13 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let metrics = Arc::new(ServerMetrics::default());
     let registry = Arc::new(Registry::new(config.strategies.clone(), metrics.clone()));
     let health = bind_tcp("health listener (--health-port)", config.health_addr).await?;
-    let agent_server = agent_server(&config, registry.clone(), metrics.clone()).await?;
+    // One client, and so one connection (HTTP/2), for the TokenReviews and
+    // the Leases.
+    let kube = config
+        .kube
+        .clone()
+        .map(|endpoint| Arc::new(KubeClient::new(endpoint)));
+    let agent_server = agent_server(&config, kube.as_ref(), registry.clone(), metrics.clone()).await?;
     let dialer = Dialer {
         registry: registry.clone(),
         metrics: metrics.clone(),
@@ -130,10 +137,12 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         });
     let health_task = tokio::spawn(konnectivity_telemetry::http::serve(Arc::new(health), endpoints));
     // Published once clients can connect, as health is.
-    let lease_controller = config
-        .leases
-        .as_ref()
-        .map(|settings| leases::LeaseController::start(settings, &config.server_id, metrics.clone()));
+    let lease_controller = config.leases.as_ref().map(|settings| {
+        let kube = kube
+            .clone()
+            .expect("the Lease controller comes with a kube-apiserver");
+        leases::LeaseController::start(kube, settings, &config.server_id, metrics.clone())
+    });
     tracing::info!(
         server_id = %config.server_id,
         agent_addr = %config.agent_addr,

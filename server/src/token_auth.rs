@@ -111,7 +111,7 @@ struct CacheEntry {
 }
 
 pub(crate) struct TokenAuthenticator {
-    kube: KubeClient,
+    kube: Arc<KubeClient>,
     allowed: AllowedAgents,
     cache: Mutex<HashMap<[u8; 32], Arc<CacheEntry>>>,
     /// The tokens of the agent streams open now (by SHA-256), with how
@@ -143,7 +143,7 @@ fn token_key(token: &str) -> [u8; 32] {
 }
 
 impl TokenAuthenticator {
-    pub(crate) fn new(kube: KubeClient, allowed: AllowedAgents) -> Self {
+    pub(crate) fn new(kube: Arc<KubeClient>, allowed: AllowedAgents) -> Self {
         TokenAuthenticator {
             kube,
             allowed,

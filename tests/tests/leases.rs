@@ -320,11 +320,13 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
     assert!(api.calls("PUT update") >= updates + 2);
 
     // kube-apiserver goes away for 3 s (less than the Leases' 8 s) and comes
-    // back with its store: renewals resume, the agent lists and watches
-    // again, and its count stays 2 throughout.
+    // back with its store: renewals resume, the agent watches again from
+    // the last version it saw, without listing, and its count stays 2
+    // throughout.
     let agent_lists =
         "konnectivity_network_proxy_agent_lease_lists_total{http_response_code=\"200\",reason=\"\"}";
     let lists_before = metric(agent_port, agent_lists).await.unwrap();
+    let watches_before = api.calls("GET watch");
     api.stop();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let stale = renew_time(&api.lease(NAMESPACE, &name).unwrap());
@@ -334,11 +336,16 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
             .is_some_and(|lease| renew_time(&lease) > stale)
     })
     .await;
-    wait_until(Duration::from_secs(10), "the agent to list again", || async {
-        metric(agent_port, agent_lists).await > Some(lists_before)
+    wait_until(Duration::from_secs(10), "the agent to watch again", || async {
+        api.calls("GET watch") > watches_before
     })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        metric(agent_port, agent_lists).await,
+        Some(lists_before),
+        "the agent resumed its watch without listing"
+    );
     assert_eq!(
         lowest.load(Ordering::Relaxed),
         2,
@@ -372,7 +379,7 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
 /// kube-apiserver away for twice the Lease duration: no server could renew,
 /// so every Lease looks expired when it is back, until each server's next
 /// renewal (held back here for 2.5 s after the return, as a server's retry
-/// backoff would). The agent, which lists again about 1.5 s after the
+/// backoff would). The agent, which watches again about 1.5 s after the
 /// return, keeps its count through the outage and the catching up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
@@ -405,7 +412,7 @@ async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
     tokio::time::sleep(Duration::from_secs(4)).await;
     sampler.abort();
     let log = agent.proc.log_text();
-    assert!(log.contains("listing proxy-server Leases again"), "{log}");
+    assert!(log.contains("kube-apiserver answers again"), "{log}");
     assert_eq!(
         lowest.load(Ordering::Relaxed),
         2,

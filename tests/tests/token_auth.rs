@@ -8,10 +8,10 @@ use std::time::Duration;
 use crate::support::TempDir;
 use crate::support::certs::Pki;
 use crate::support::connect::via_uds;
+use crate::support::kube_api::KubeApi;
 use crate::support::procs::{Agent, Server};
 use crate::support::scrape::metric;
 use crate::support::targets;
-use crate::support::token_review::TokenReviewer;
 use tonic::metadata::MetadataValue;
 
 const AUDIENCE: &str = "system:konnectivity-server";
@@ -27,11 +27,11 @@ const BURST_TOKENS: [&str; 8] = [
     "burst-0", "burst-1", "burst-2", "burst-3", "burst-4", "burst-5", "burst-6", "burst-7",
 ];
 
-async fn start(dir: &Path, pki: &Pki) -> (TokenReviewer, Server) {
+async fn start(dir: &Path, pki: &Pki) -> (KubeApi, Server) {
     start_with(dir, pki, &[]).await
 }
 
-async fn start_with(dir: &Path, pki: &Pki, extra: &[String]) -> (TokenReviewer, Server) {
+async fn start_with(dir: &Path, pki: &Pki, extra: &[String]) -> (KubeApi, Server) {
     let mut users = vec![
         (GOOD, AGENT_USER),
         (CACHED, AGENT_USER),
@@ -39,7 +39,8 @@ async fn start_with(dir: &Path, pki: &Pki, extra: &[String]) -> (TokenReviewer, 
         (OTHER_NS, "system:serviceaccount:default:konnectivity-agent"),
     ];
     users.extend(BURST_TOKENS.iter().map(|token| (*token, AGENT_USER)));
-    let reviewer = TokenReviewer::start(pki, AUDIENCE, &users).await;
+    let reviewer = KubeApi::start(pki).await;
+    reviewer.review_tokens(AUDIENCE, &users);
     let kubeconfig = reviewer.kubeconfig(dir, pki);
     let mut flags = vec![
         // No client certificates: the token is the agent's credential.
@@ -212,7 +213,7 @@ async fn a_burst_of_new_agents_reaches_kube_apiserver_at_the_configured_rate() {
     for result in futures_util::future::join_all(burst).await {
         result.expect("every agent of the burst is admitted");
     }
-    let arrivals = reviewer.arrivals();
+    let arrivals = reviewer.review_arrivals();
     assert_eq!(arrivals.len(), BURST_TOKENS.len(), "one review per token");
     // Two at once, then one every 250 ms: the eighth no sooner than 1.5 s
     // after the first; and in any stretch of n reviews, at least
@@ -227,4 +228,93 @@ async fn a_burst_of_new_agents_reaches_kube_apiserver_at_the_configured_rate() {
             );
         }
     }
+}
+
+/// What a server restart looks like to kube-apiserver: two hundred agents,
+/// each with a token of its own, connect at once while the server renews
+/// its Lease. Over HTTP/2, as client-go speaks it to kube-apiserver, every
+/// TokenReview and every Lease call is a stream of one connection: one TLS
+/// handshake, not one per concurrent review (over HTTP/1.1 each review
+/// that finds the kept connection busy opens another).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_agents_with_tokens_of_their_own_cost_one_kube_apiserver_connection() {
+    const AGENTS: usize = 200;
+    let dir = TempDir::new("konn-token");
+    let pki = Pki::new(dir.path());
+    let api = KubeApi::start(&pki).await;
+    let tokens: Vec<String> = (0..AGENTS).map(|i| format!("node-{i}-agent-token")).collect();
+    let users: Vec<(&str, &str)> = tokens.iter().map(|token| (token.as_str(), AGENT_USER)).collect();
+    api.review_tokens(AUDIENCE, &users);
+    let flags = [
+        "--cluster-ca-cert=".to_owned(),
+        "--agent-namespace=kube-system".to_owned(),
+        "--agent-service-account=konnectivity-agent".to_owned(),
+        format!("--authentication-audience={AUDIENCE}"),
+        format!("--kubeconfig={}", api.kubeconfig(dir.path(), &pki).display()),
+        "--enable-lease-controller".to_owned(),
+        "--lease-renew-interval=1s".to_owned(),
+        "--lease-duration=5s".to_owned(),
+        "--lease-gc-interval=1s".to_owned(),
+    ];
+    let server = Server::start(dir.path(), &pki, "http-connect", true, &flags).await;
+    let storm = tokens
+        .iter()
+        .map(|token| connect_with(&server, &pki, Some(token)));
+    let admitted = futures_util::future::join_all(storm)
+        .await
+        .into_iter()
+        .filter(Result::is_ok)
+        .count();
+    // The Lease is renewed and collected on the same connection meanwhile.
+    crate::support::wait_until(
+        Duration::from_secs(10),
+        "Lease renewals and collections",
+        || async { api.calls("PUT update") >= 2 && api.calls("GET list") >= 2 },
+    )
+    .await;
+    let connections = api.connections();
+    let http2 = connections.iter().filter(|protocol| **protocol == "h2").count();
+    eprintln!(
+        "{admitted} of {AGENTS} agents admitted; kube-apiserver connections: {} ({http2} HTTP/2)",
+        connections.len()
+    );
+    assert_eq!(admitted, AGENTS, "every agent is admitted");
+    for token in &tokens {
+        assert_eq!(api.reviews_of(token), 1, "{token}: one review each");
+    }
+    assert_eq!(
+        (connections.len(), http2),
+        (1, 1),
+        "one HTTP/2 connection for every review and Lease call"
+    );
+}
+
+/// A kube-apiserver with HTTP/2 turned off gets HTTP/1.1, and every agent
+/// is admitted as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kube_apiserver_without_http2_is_spoken_to_in_http1() {
+    let dir = TempDir::new("konn-token");
+    let pki = Pki::new(dir.path());
+    let api = KubeApi::start_http1_only(&pki).await;
+    api.review_tokens(AUDIENCE, &BURST_TOKENS.map(|token| (token, AGENT_USER)));
+    let flags = [
+        "--cluster-ca-cert=".to_owned(),
+        "--agent-namespace=kube-system".to_owned(),
+        "--agent-service-account=konnectivity-agent".to_owned(),
+        format!("--authentication-audience={AUDIENCE}"),
+        format!("--kubeconfig={}", api.kubeconfig(dir.path(), &pki).display()),
+    ];
+    let server = Server::start(dir.path(), &pki, "http-connect", true, &flags).await;
+    let burst = BURST_TOKENS
+        .iter()
+        .map(|token| connect_with(&server, &pki, Some(token)));
+    for result in futures_util::future::join_all(burst).await {
+        result.expect("every agent of the burst is admitted");
+    }
+    let connections = api.connections();
+    assert!(!connections.is_empty());
+    assert!(
+        connections.iter().all(|protocol| *protocol == "http/1.1"),
+        "{connections:?}"
+    );
 }

@@ -12,13 +12,21 @@
 //! It can go away and come back on the same port with what it stored, as a
 //! restarted kube-apiserver does (its store is etcd), and can refuse one
 //! Lease's updates, as when a server cannot reach it.
+//!
+//! It also answers `authentication.k8s.io/v1` TokenReviews for a table of
+//! ServiceAccount tokens ([`KubeApi::review_tokens`]), checking the audience,
+//! and counts reviews per token.
+//!
+//! Like kube-apiserver (Go's net/http), it offers HTTP/2 and HTTP/1.1 by ALPN
+//! and serves what the client picks; [`KubeApi::start_http1_only`] is one
+//! with HTTP/2 turned off. It records the protocol of every connection.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
@@ -37,6 +45,7 @@ pub const TOKEN: &str = "lease-client-secret";
 pub const SERVICE_ACCOUNT_TOKEN: &str = "pod-service-account-token";
 
 const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/";
+const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
 
 type Body = BoxBody<Bytes, Infallible>;
 
@@ -61,6 +70,22 @@ struct Store {
     selectors: BTreeSet<String>,
     /// Bearer tokens accepted.
     tokens: Vec<String>,
+    /// TokenReviews answered, when asked for.
+    reviews: Option<Reviews>,
+    /// The protocol of each connection accepted ("h2" or "http/1.1").
+    connections: Vec<&'static str>,
+}
+
+/// The TokenReviews this kube-apiserver answers.
+#[derive(Default)]
+struct Reviews {
+    audience: String,
+    /// Token to the user it belongs to.
+    users: HashMap<String, String>,
+    /// Reviews asked for, per token.
+    counted: HashMap<String, usize>,
+    /// When each review request arrived, in order.
+    arrivals: Vec<Instant>,
 }
 
 /// What open watches follow, and how a test steers them.
@@ -96,7 +121,19 @@ impl Drop for KubeApi {
 }
 
 impl KubeApi {
+    /// A kube-apiserver offering HTTP/2 and HTTP/1.1, as the real one.
     pub async fn start(pki: &Pki) -> KubeApi {
+        Self::start_offering(pki, &[b"h2", b"http/1.1"]).await
+    }
+
+    /// A kube-apiserver with HTTP/2 turned off (Go's `GODEBUG=http2server=0`).
+    pub async fn start_http1_only(pki: &Pki) -> KubeApi {
+        Self::start_offering(pki, &[b"http/1.1"]).await
+    }
+
+    async fn start_offering(pki: &Pki, alpn: &[&[u8]]) -> KubeApi {
+        let mut tls = (*pki.server_tls(&pki.server)).clone();
+        tls.alpn_protocols = alpn.iter().map(|proto| proto.to_vec()).collect();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let mut api = KubeApi {
@@ -110,7 +147,7 @@ impl KubeApi {
                 held: tokio::sync::watch::Sender::new(false),
                 ended: tokio::sync::watch::Sender::new(0),
             }),
-            tls: tokio_rustls::TlsAcceptor::from(pki.server_tls(&pki.server)),
+            tls: tokio_rustls::TlsAcceptor::from(Arc::new(tls)),
             serving: None,
         };
         api.serve(listener);
@@ -155,13 +192,25 @@ impl KubeApi {
                     let Ok(stream) = tls.accept(tcp).await else {
                         return;
                     };
+                    let protocol = match stream.get_ref().1.alpn_protocol() {
+                        Some(b"h2") => "h2",
+                        _ => "http/1.1",
+                    };
+                    store.lock().unwrap().connections.push(protocol);
                     let service = hyper::service::service_fn(move |request| {
                         let (store, watches) = (store.clone(), watches.clone());
                         async move { Ok::<_, Infallible>(handle(request, &store, &watches).await) }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = if protocol == "h2" {
+                        hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                            .serve_connection(io, service)
+                            .await
+                    } else {
+                        hyper::server::conn::http1::Builder::new()
+                            .serve_connection(io, service)
+                            .await
+                    };
                 });
             }
         });
@@ -275,6 +324,37 @@ impl KubeApi {
     pub fn selectors(&self) -> BTreeSet<String> {
         self.store.lock().unwrap().selectors.clone()
     }
+
+    /// Answers TokenReviews from now on: `users` maps a token to the user
+    /// it belongs to, and only tokens for `audience` are valid.
+    pub fn review_tokens(&self, audience: &str, users: &[(&str, &str)]) {
+        self.store.lock().unwrap().reviews = Some(Reviews {
+            audience: audience.to_owned(),
+            users: users
+                .iter()
+                .map(|(token, user)| (token.to_string(), user.to_string()))
+                .collect(),
+            ..Reviews::default()
+        });
+    }
+
+    /// How many reviews of `token` were asked for.
+    pub fn reviews_of(&self, token: &str) -> usize {
+        let store = self.store.lock().unwrap();
+        let reviews = store.reviews.as_ref().expect("reviewing tokens");
+        reviews.counted.get(token).copied().unwrap_or(0)
+    }
+
+    /// When each review request arrived, in order.
+    pub fn review_arrivals(&self) -> Vec<Instant> {
+        let store = self.store.lock().unwrap();
+        store.reviews.as_ref().expect("reviewing tokens").arrivals.clone()
+    }
+
+    /// The protocol of each connection accepted so far, in order.
+    pub fn connections(&self) -> Vec<&'static str> {
+        self.store.lock().unwrap().connections.clone()
+    }
 }
 
 /// Writes a kubeconfig at `path` for a stand-in kube-apiserver on
@@ -313,6 +393,42 @@ fn record(
     };
     store.changes.push(change.clone());
     let _ = changes.send(change);
+}
+
+/// A TokenReview, answered as kube-apiserver answers one for a
+/// ServiceAccount token: authenticated (with the user) only for a known
+/// token whose audiences are the ones asked for.
+async fn review(request: Request<Incoming>, store: &Arc<Mutex<Store>>) -> Response<Body> {
+    let arrived = Instant::now();
+    let body = request.into_body().collect().await.unwrap().to_bytes();
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return failure(StatusCode::BAD_REQUEST, "BadRequest", "not JSON".to_owned());
+    };
+    assert_eq!(request["apiVersion"], "authentication.k8s.io/v1", "{request}");
+    assert_eq!(request["kind"], "TokenReview", "{request}");
+    let mut store = store.lock().unwrap();
+    let Some(reviews) = store.reviews.as_mut() else {
+        return failure(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "no TokenReviews here".to_owned(),
+        );
+    };
+    reviews.arrivals.push(arrived);
+    let token = request["spec"]["token"].as_str().unwrap_or_default().to_owned();
+    *reviews.counted.entry(token.clone()).or_default() += 1;
+    let audience = reviews.audience.clone();
+    let status = match reviews.users.get(&token) {
+        Some(_) if request["spec"]["audiences"] != json!([audience]) => {
+            json!({"authenticated": false, "error": "token audiences do not match"})
+        }
+        Some(user) => json!({"authenticated": true, "user": {"username": user}, "audiences": [audience]}),
+        None => json!({"authenticated": false, "error": "invalid bearer token"}),
+    };
+    answer(
+        StatusCode::CREATED,
+        json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "status": status}),
+    )
 }
 
 fn full(value: &Value) -> Body {
@@ -443,6 +559,9 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
         );
     }
     let path = request.uri().path().to_owned();
+    if path == TOKEN_REVIEWS && request.method() == Method::POST {
+        return review(request, store).await;
+    }
     let Some(rest) = path.strip_prefix(LEASES) else {
         return failure(StatusCode::NOT_FOUND, "NotFound", format!("no route {path}"));
     };

@@ -21,7 +21,6 @@ pub mod netns;
 pub mod procs;
 pub mod scrape;
 pub mod targets;
-pub mod token_review;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
