@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream uds_authority)
+targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream)
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "== installing cargo-fuzz (crates.io)"

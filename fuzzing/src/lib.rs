@@ -7,10 +7,8 @@
 
 pub mod seeds;
 mod streams;
-mod uds_authority;
 
 pub use streams::{agent_stream, frontend_stream, server_stream};
-pub use uds_authority::uds_authority;
 
 use konnectivity_agent::hooks::Capture;
 use konnectivity_proto::AgentIdentifiers;
@@ -20,7 +18,7 @@ use konnectivity_server::hooks::{MAX_HEAD, parse_head};
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets, by the name of their directory under `fuzz/corpus`.
-pub const TARGETS: [(&str, Target); 8] = [
+pub const TARGETS: [(&str, Target); 7] = [
     ("connect_head", connect_head),
     ("agent_identifiers", agent_identifiers),
     ("capture", capture),
@@ -28,7 +26,6 @@ pub const TARGETS: [(&str, Target); 8] = [
     ("server_stream", server_stream),
     ("agent_stream", agent_stream),
     ("frontend_stream", frontend_stream),
-    ("uds_authority", uds_authority),
 ];
 
 /// The HTTP CONNECT request head parser. A request it accepts names a

@@ -356,66 +356,7 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         let packets: Vec<Packet> = frames.into_iter().map(Packet::from).collect();
         add("frontend_stream", name, encode(switches, &packets));
     }
-    // The HTTP/2 client side of a Unix-socket connection (a read size, then
-    // the bytes); real clients' sessions are in the corpus as captures.
-    let authority = b"%2Fetc%2Fkubernetes%2Fkonnectivity-server.socket";
-    let request = |authority: &[u8]| {
-        let mut block = Vec::new();
-        for (name, value) in [
-            (&b":method"[..], &b"POST"[..]),
-            (b":scheme", b"http"),
-            (b":path", b"/ProxyService/Proxy"),
-            (b":authority", authority),
-            (b"te", b"trailers"),
-        ] {
-            // Literal with incremental indexing, new name (RFC 7541 §6.2.1).
-            block.push(0x40);
-            block.push(name.len() as u8);
-            block.extend_from_slice(name);
-            block.push(value.len() as u8);
-            block.extend_from_slice(value);
-        }
-        block
-    };
-    let first = request(authority);
-    let mut session = h2_preface();
-    h2_frame(&mut session, 0x1, 0x4, 1, &first);
-    h2_frame(&mut session, 0x0, 0x0, 1, b"\0\0\0\0\x02\x08\x01");
-    // The same request again, by index: :authority is entry 63 by now.
-    h2_frame(&mut session, 0x1, 0x4, 3, &[0xc2, 0xc1, 0xc0, 0xbf, 0xbe]);
-    add(
-        "uds_authority",
-        "indexed-authority",
-        [&[5], &session[..]].concat(),
-    );
-    let mut split = h2_preface();
-    let (head, tail) = first.split_at(20);
-    // PADDED and PRIORITY on the HEADERS, the block's rest in a CONTINUATION.
-    let mut padded = vec![4, 0x80, 0, 0, 0, 16];
-    padded.extend_from_slice(head);
-    padded.extend_from_slice(&[0; 4]);
-    h2_frame(&mut split, 0x1, 0x8 | 0x20, 1, &padded);
-    h2_frame(&mut split, 0x9, 0x4, 1, tail);
-    add(
-        "uds_authority",
-        "continuation-padding-priority",
-        [&[0], &split[..]].concat(),
-    );
     seeds
-}
-
-fn h2_preface() -> Vec<u8> {
-    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    h2_frame(&mut out, 0x4, 0, 0, &[]);
-    out
-}
-
-fn h2_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-    out.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
-    out.push(kind);
-    out.push(flags);
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(payload);
 }
 
 fn encode(switches: u8, packets: &[Packet]) -> Vec<u8> {

@@ -25,7 +25,6 @@ pub mod hooks {
     pub use crate::backend::registry::Registry;
     pub use crate::backend::strategy::{Strategy, parse_strategies};
     pub use crate::backend::{Announced, Backend, BackendId, Command, Event, session};
-    pub use crate::frontend::authority::TolerantAuthority;
     pub use crate::frontend::connect::{MAX_HEAD, parse_head};
     pub use crate::frontend::grpc::serve_client;
     pub use crate::metrics::ServerMetrics;

@@ -1,6 +1,6 @@
 //! Frontends: where kube-apiserver (or any tunnel client) connects.
 
-pub(crate) mod authority;
+mod authority;
 pub(crate) mod connect;
 pub(crate) mod grpc;
 pub(crate) mod listen;
@@ -21,7 +21,7 @@ use crate::config::{Config, FrontendListen, Mode};
 use crate::policy::FrontendClass;
 use crate::serving::{ServeError, bind_tcp, grpc_server, tls_incoming};
 use crate::tunnel::Dialer;
-use authority::TolerantAuthority;
+use authority::RefuseUnparsedAuthorityLayer;
 use preface::RequireHttp2;
 
 /// The frontend's listening socket, bound before anything is served.
@@ -81,13 +81,15 @@ pub(crate) async fn start(
         (Mode::Grpc, Bound::Uds(listener)) => {
             // grpc-go names the socket path as :authority; see `authority`.
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
-                .map(|stream| stream.map(|stream| TolerantAuthority::new(RequireHttp2::new(stream))));
-            tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
+                .map(|stream| stream.map(RequireHttp2::new));
+            let server = grpc_frontend(dialer, keepalive, Authority::AnyOnTheSocket);
+            tokio::spawn(serve_grpc(server, incoming, watcher))
         }
         (Mode::Grpc, Bound::Tls(listener, tls)) => {
             let incoming = tls_incoming(listener, *tls, "frontend", Some(watcher.clone()))
                 .map(|stream| stream.map(RequireHttp2::new));
-            tokio::spawn(serve_grpc(grpc_frontend(dialer, keepalive), incoming, watcher))
+            let server = grpc_frontend(dialer, keepalive, Authority::WellFormed);
+            tokio::spawn(serve_grpc(server, incoming, watcher))
         }
     };
     Ok(task)
@@ -118,7 +120,7 @@ pub(crate) async fn start_node(
         tunnel_limit: Limit::from_flag("max-tunnels-per-frontend", config.max_tunnels_per_frontend),
         ..dialer.clone()
     };
-    let server = grpc_frontend(node_dialer, config.frontend_keepalive);
+    let server = grpc_frontend(node_dialer, config.frontend_keepalive, Authority::WellFormed);
     let watcher = watcher.clone();
     Ok(Some(tokio::spawn(async move {
         if let Err(error) = serve_grpc(server, incoming, watcher).await {
@@ -127,10 +129,26 @@ pub(crate) async fn start_node(
     })))
 }
 
+/// Which `:authority` a gRPC frontend takes (see `authority`).
+enum Authority {
+    /// Whatever the client sends: a Unix socket names nothing.
+    AnyOnTheSocket,
+    /// A URI authority, as over TLS.
+    WellFormed,
+}
+
+/// A gRPC frontend's server, with its `:authority` check.
+type GrpcFrontend = tonic::transport::server::Router<
+    tower::layer::util::Stack<RefuseUnparsedAuthorityLayer, tower::layer::util::Identity>,
+>;
+
 /// The gRPC frontend's server: ProxyService only, with windows sized for
 /// bulk transfers on a single stream.
-fn grpc_frontend(dialer: Dialer, keepalive: Option<Duration>) -> tonic::transport::server::Router {
+fn grpc_frontend(dialer: Dialer, keepalive: Option<Duration>, authority: Authority) -> GrpcFrontend {
     grpc_server(keepalive)
+        .layer(RefuseUnparsedAuthorityLayer {
+            refuse: matches!(authority, Authority::WellFormed),
+        })
         .initial_stream_window_size(Some(4 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
         .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
@@ -141,7 +159,7 @@ fn grpc_frontend(dialer: Dialer, keepalive: Option<Duration>) -> tonic::transpor
 /// on each connection and returns once they have all closed, holding the
 /// drain until then.
 async fn serve_grpc<IO>(
-    server: tonic::transport::server::Router,
+    server: GrpcFrontend,
     incoming: impl futures_util::Stream<Item = Result<IO, std::io::Error>>,
     watcher: Watcher,
 ) -> Result<(), tonic::transport::Error>

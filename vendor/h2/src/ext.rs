@@ -53,3 +53,23 @@ impl fmt::Debug for Protocol {
         self.value.fmt(f)
     }
 }
+
+/// konnectivity-rs: the `:authority` of a request that is no URI authority
+/// (`http::uri::Authority` refuses it), e.g. the percent-encoded path of a
+/// Unix socket that grpc-go and gRPC core send as their channel's
+/// authority. The request reaches the service without an authority and
+/// with this extension; a service that must refuse such requests finds it
+/// here.
+#[derive(Clone, Debug, Eq, PartialEq)]
+pub struct UnparsedAuthority(Bytes);
+
+impl UnparsedAuthority {
+    pub(crate) fn new(bytes: Bytes) -> Self {
+        UnparsedAuthority(bytes)
+    }
+
+    /// The `:authority` as the client sent it.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}

@@ -1700,15 +1700,20 @@ impl proto::Peer for Peer {
 
         // A request translated from HTTP/1 must not include the :authority
         // header
+        //
+        // konnectivity-rs: an :authority that is no URI authority (a Unix
+        // socket's path, as grpc-go and gRPC core send it) leaves the request
+        // whole, without it, and travels in an `ext::UnparsedAuthority` for
+        // the service to refuse the request by where it must.
+        let mut unparsed_authority = None;
         if let Some(authority) = pseudo.authority {
-            let maybe_authority = uri::Authority::from_maybe_shared(authority.clone().into_inner());
-            parts.authority = Some(maybe_authority.or_else(|why| {
-                malformed!(
-                    "malformed headers: malformed authority ({:?}): {}",
-                    authority,
-                    why,
-                )
-            })?);
+            match uri::Authority::from_maybe_shared(authority.clone().into_inner()) {
+                Ok(parsed) => parts.authority = Some(parsed),
+                Err(why) => {
+                    tracing::debug!("unparsed authority ({:?}): {}", authority, why);
+                    unparsed_authority = Some(crate::ext::UnparsedAuthority::new(authority.into_inner()));
+                }
+            }
         }
 
         // A :scheme is required, except CONNECT.
@@ -1766,6 +1771,9 @@ impl proto::Peer for Peer {
         };
 
         *request.headers_mut() = fields;
+        if let Some(unparsed) = unparsed_authority {
+            request.extensions_mut().insert(unparsed);
+        }
 
         Ok(request)
     }
