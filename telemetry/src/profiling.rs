@@ -62,13 +62,24 @@ impl ProfileError {
 }
 
 /// Samples the whole process's CPU use for `duration` and returns the
-/// profile, encoded.
+/// profile as Go's runtime/pprof writes it: the protobuf, gzip-compressed
+/// at the fastest level. `go tool pprof` reads it either way; scrapers
+/// written for Go's endpoint (continuous profilers) may expect gzip.
 pub async fn cpu_profile(duration: Duration) -> Result<Vec<u8>, ProfileError> {
     let sampling = CpuSampling::start()?;
-    // The wait and the naming of addresses are blocking work; a thread of
-    // the blocking pool does both, off the runtime's workers.
-    let profile = tokio::task::spawn_blocking(move || record(&sampling, duration)).await?;
-    Ok(profile.encode_to_vec())
+    // The wait, the naming of addresses and the compression are blocking
+    // work; a thread of the blocking pool does them, off the runtime's
+    // workers.
+    let profile =
+        tokio::task::spawn_blocking(move || gzip(&record(&sampling, duration).encode_to_vec())).await?;
+    Ok(profile)
+}
+
+fn gzip(encoded: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut compressed = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    compressed.write_all(encoded).expect("writing to a Vec");
+    compressed.finish().expect("writing to a Vec")
 }
 
 /// What identifies a sampled stack: the thread's name and its addresses.
@@ -438,7 +449,15 @@ mod tests {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         spinner.join().unwrap();
 
-        let profile = format::Profile::decode(encoded.as_slice()).unwrap();
+        // gzip, as Go's: its magic, then the protobuf.
+        assert_eq!(encoded[..2], [0x1f, 0x8b], "a gzip stream");
+        let mut decompressed = Vec::new();
+        std::io::Read::read_to_end(
+            &mut flate2::read::GzDecoder::new(encoded.as_slice()),
+            &mut decompressed,
+        )
+        .unwrap();
+        let profile = format::Profile::decode(decompressed.as_slice()).unwrap();
         let text = |id: i64| profile.string_table[id as usize].as_str();
         assert_eq!(text(0), "");
         assert_eq!(profile.period, 10_000_000);

@@ -150,6 +150,13 @@ async fn go_tool_pprof_reads_a_cpu_profile_of_a_busy_server_with_its_function_na
         "{}",
         String::from_utf8_lossy(&profile)
     );
+    // The body is gzip-compressed, as Go's net/http/pprof serves it.
+    let body_at = profile
+        .windows(4)
+        .position(|window| window == b"\r\n\r\n")
+        .expect("a response head")
+        + 4;
+    assert_eq!(profile[body_at..body_at + 2], [0x1f, 0x8b], "a gzip stream");
 
     // Off by default, as upstream: the admin port has /metrics only.
     let plain = Server::start_from(&binaries, dir.path(), &pki, "http-connect", true, &[]).await;
