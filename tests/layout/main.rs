@@ -37,6 +37,49 @@ fn no_two_workspace_crates_depend_on_each_other_in_a_circle() {
     println!("{}", workspace.describe());
 }
 
+/// The layers of docs/architecture.md, lowest first: a crate depends only
+/// on crates of lower layers. The test, benchmark and fuzz crates are above
+/// them all.
+const LAYERS: &[&[&str]] = &[
+    &["konnectivity-proto", "konnectivity-plumbing", "konnectivity-cni"],
+    &[
+        "konnectivity-telemetry",
+        "konnectivity-kube",
+        "konnectivity-mux",
+        "konnectivity-client",
+    ],
+    &["konnectivity-node"],
+    &[
+        "konnectivity-server",
+        "konnectivity-agent",
+        "konnectivity-test-client",
+    ],
+    &["konnectivity-tests", "konnectivity-bench", "konnectivity-fuzzing"],
+];
+
+#[test]
+fn every_crate_depends_only_on_crates_of_lower_layers() {
+    let workspace = Workspace::load();
+    let layer = |name: &str| {
+        LAYERS
+            .iter()
+            .position(|layer| layer.contains(&name))
+            .unwrap_or_else(|| panic!("{name} is in no layer of LAYERS (and of docs/architecture.md)"))
+    };
+    let mut upward = Vec::new();
+    for krate in &workspace.crates {
+        for dependency in krate.workspace_deps(false) {
+            if layer(&dependency) >= layer(&krate.name) {
+                upward.push(format!("{} -> {dependency}", krate.name));
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "dependencies on a crate of the same or a higher layer: {upward:#?}"
+    );
+}
+
 #[test]
 fn every_crate_names_each_of_its_dependencies() {
     let workspace = Workspace::load();
