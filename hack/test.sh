@@ -58,7 +58,15 @@ else
 fi
 
 echo "== cargo test"
-cargo test --workspace --locked --no-fail-fast
+tests_status=0
+cargo test --workspace --locked --no-fail-fast || tests_status=$?
+# A test that starts a program must leave no process of it behind, whatever
+# the program forked: anything still running in the tests' directory fails
+# the run (and is killed).
+source hack/lib/leftovers.sh
+echo "== leftover processes"
+leftover_processes tests || tests_status=1
+((tests_status == 0)) || exit "$tests_status"
 
 # Fuzzing, every run: each target FUZZ_SECONDS (default 45; 0 skips) with
 # AddressSanitizer, on the pinned stable toolchain when there is no nightly

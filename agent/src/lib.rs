@@ -222,10 +222,13 @@ async fn serve(
         ),
         mark: config.node.as_ref().map(|node| node.mark),
     };
+    // The one start-up line at -v=0 (the flags follow at -v=1).
     tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
         agent_id = %config.agent_id,
         server = %config.server_hosts.iter().map(|a| format!("{}:{}", a.host, a.port)).collect::<Vec<_>>().join(","),
         dial_every_address = config.dial_every_address,
+        worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         "proxy-agent started"
     );
 

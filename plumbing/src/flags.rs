@@ -239,12 +239,9 @@ impl EffectiveFlags {
         EffectiveFlags(flags)
     }
 
-    /// Logs one line per flag, `FLAG: --name="value"`, as Kubernetes
-    /// components print theirs.
-    pub fn log(&self) {
-        for (name, value) in &self.0 {
-            tracing::info!("FLAG: --{name}={value:?}");
-        }
+    /// Every long flag's name and effective value, in `--help`'s order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.0.iter().map(|(name, value)| (name.as_str(), value.as_str()))
     }
 }
 

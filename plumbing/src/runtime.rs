@@ -70,7 +70,8 @@ pub fn multi_thread(workers: usize) -> std::io::Result<tokio::runtime::Runtime> 
         .enable_all()
         .on_thread_park(collect_when_due)
         .build()?;
-    tracing::info!(worker_threads = workers, "runtime started");
+    // The count is on the binary's start-up line too (-v=0).
+    tracing::debug!(worker_threads = workers, "runtime started");
     runtime.spawn(nudge_idle_workers(workers));
     Ok(runtime)
 }

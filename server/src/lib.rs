@@ -142,13 +142,16 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             .expect("the Lease controller comes with a kube-apiserver");
         leases::LeaseController::start(kube, settings, &config.server_id, metrics.clone())
     });
+    // The one start-up line at -v=0 (the flags follow at -v=1).
     tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
         server_id = %config.server_id,
         agent_addr = %config.agent_addr,
         health_addr = %config.health_addr,
         admin_addr = %config.admin_addr,
         frontend = %config.frontend,
         mode = ?config.mode,
+        worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         "proxy-server started"
     );
 

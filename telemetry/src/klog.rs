@@ -164,7 +164,11 @@ pub fn start<C, E: std::fmt::Display>(
         }
     };
     klog.init_logging()?;
-    flags.log();
+    // One line per flag, as Kubernetes components print theirs, at -v=1
+    // as they do: at the default verbosity the start-up is one line.
+    for (name, value) in flags.iter() {
+        tracing::info!(target: crate::logging::V1, "FLAG: --{name}={value:?}");
+    }
     warn_inert(inert);
     match konnectivity_plumbing::raise_open_files_limit() {
         Ok(limit) => tracing::debug!(limit, "open files limit"),

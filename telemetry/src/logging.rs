@@ -33,6 +33,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 
 use self::civil::Civil;
+pub use self::filter::V1;
 
 /// `--logging-format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -237,6 +238,7 @@ where
                 object.insert("caller".into(), format!("{file}:{line}").into());
                 object.insert("msg".into(), fields.message.into());
                 let verbosity = match *meta.level() {
+                    Level::INFO if meta.target() == V1 => 1,
                     Level::ERROR | Level::WARN | Level::INFO => 0,
                     Level::DEBUG => 2,
                     Level::TRACE => 5,

@@ -406,6 +406,36 @@ async fn log_lines_go_where_klog_sends_them() {
     }
 }
 
+/// Kubernetes components log their flags at `-v=1`, not at the default
+/// verbosity: there, start-up is one line (version, addresses, threads).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flags_are_logged_at_v1_and_start_up_is_one_line_at_v0() {
+    let dir = crate::support::TempDir::new("konn-klog-v");
+    // -v given, so the harness sets no RUST_LOG (which would win).
+    let quiet = server_stderr(dir.path(), &flags(&["-v=0"])).await;
+    let lines: Vec<&str> = quiet.lines().collect();
+    assert!(!quiet.contains("\"FLAG: --"), "{quiet}");
+    assert_eq!(lines.len(), 1, "one start-up line at -v=0:\n{quiet}");
+    assert!(
+        lines[0].contains("\"proxy-server started\" version=\"") && lines[0].contains(" worker_threads="),
+        "{quiet}"
+    );
+    let verbose = server_stderr(dir.path(), &flags(&["-v=1"])).await;
+    let flag_lines = verbose
+        .lines()
+        .filter(|line| line.contains("] \"FLAG: --"))
+        .count();
+    assert!(flag_lines > 30, "{flag_lines} FLAG lines at -v=1:\n{verbose}");
+    // In JSON, klog's verbosity of those lines: 1.
+    let json = server_stderr(dir.path(), &flags(&["-v=1", "--logging-format=json"])).await;
+    let flag: serde_json::Value = json
+        .lines()
+        .find(|line| line.contains("FLAG: --"))
+        .map(|line| serde_json::from_str(line).unwrap())
+        .unwrap_or_else(|| panic!("no FLAG line:\n{json}"));
+    assert_eq!(flag["v"], 1, "{flag}");
+}
+
 /// The flags that shape text lines: `--skip-headers`, `--add-dir-header`,
 /// `--vmodule` (one file's debug lines at -v=0) and `--log-backtrace-at`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -434,25 +464,25 @@ async fn klog_line_flags_shape_the_lines() {
         "--vmodule=klog=2 did not raise klog.rs:\n{bare}"
     );
 
-    let with_dir = server_stderr(dir.path(), &flags(&["-v=0", "--add-dir-header"])).await;
+    let with_dir = server_stderr(dir.path(), &flags(&["-v=1", "--add-dir-header"])).await;
     let flag_line = with_dir
         .lines()
         .find(|line| line.contains("\"FLAG: --"))
         .unwrap_or_else(|| panic!("no FLAG line:\n{with_dir}"));
-    // `src/flags.rs:NNN]`: the directory, then the line the flags are logged from.
+    // `src/klog.rs:NNN]`: the directory, then the line the flags are logged from.
     let at = flag_line
-        .split_once(" src/flags.rs:")
+        .split_once(" src/klog.rs:")
         .and_then(|(_, rest)| rest.split_once(']'))
         .map(|(line, _)| line.to_owned())
         .unwrap_or_else(|| panic!("no directory in the header: {flag_line}"));
 
     let traced = server_stderr(
         dir.path(),
-        &flags(&["-v=0", &format!("--log-backtrace-at=flags.rs:{at}")]),
+        &flags(&["-v=1", &format!("--log-backtrace-at=klog.rs:{at}")]),
     )
     .await;
     // Each FLAG line is followed by the stack from the logging call out:
-    // its first frame is at flags.rs, the next the caller's.
+    // its first frame is at klog.rs, the next the caller's (main.rs).
     let after_flag: Vec<&str> = traced
         .lines()
         .skip_while(|line| !line.contains("\"FLAG: --"))
@@ -465,9 +495,9 @@ async fn klog_line_flags_shape_the_lines() {
                 .trim_start()
                 .split_once(": ")
                 .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
-            && after_flag[1].contains(&format!("src/flags.rs:{at}:"))
-            && after_flag[3].contains("src/klog.rs:"),
-        "no stack from flags.rs:{at} after the FLAG line: {after_flag:#?}\n{traced}"
+            && after_flag[1].contains(&format!("src/klog.rs:{at}:"))
+            && after_flag[3].contains("src/main.rs:"),
+        "no stack from klog.rs:{at} after the FLAG line: {after_flag:#?}\n{traced}"
     );
     assert!(
         !traced.contains("tracing_subscriber"),

@@ -13,6 +13,11 @@ use tracing::subscriber::Interest;
 use tracing::{Level, Metadata};
 use tracing_subscriber::layer::{Context, Filter};
 
+/// The target of info events klog would log at `-v=1` (`klog.V(1).Info`):
+/// shown from `-v=1` on (or a `--vmodule` level of 1 for their file),
+/// `"v":1` in JSON. `tracing::info!(target: V1, ...)`.
+pub const V1: &str = "klog::v1";
+
 /// `--vmodule`: `pattern=N,pattern=N`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VModule(Vec<(String, u32)>);
@@ -71,6 +76,9 @@ impl Verbosity {
             None if chatty => 0,
             None => self.global,
         };
+        if meta.target() == V1 {
+            return verbosity >= 1 && *meta.level() <= Level::INFO;
+        }
         *meta.level() <= level_of(verbosity)
     }
 }

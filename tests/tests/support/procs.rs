@@ -15,6 +15,9 @@ pub struct Proc {
     child: Child,
     pub name: String,
     pub log: PathBuf,
+    /// Set once the child has been waited for: its process ID, which is also
+    /// its group's, may then belong to another process.
+    reaped: bool,
 }
 
 impl Proc {
@@ -55,6 +58,10 @@ impl Proc {
         } else {
             command.env_remove("RUST_LOG");
         }
+        // A process group of its own, so that what the program forks (nginx's
+        // workers, a shell's children) goes with it: see `kill`.
+        use std::os::unix::process::CommandExt;
+        command.process_group(0);
         let child = command
             .args(args)
             // mimalloc returns freed pages only on later activity on the same
@@ -71,6 +78,7 @@ impl Proc {
             child,
             name: binary.to_owned(),
             log,
+            reaped: false,
         }
     }
 
@@ -78,10 +86,34 @@ impl Proc {
         self.child.id()
     }
 
-    /// SIGKILL, as a crash would.
+    /// SIGKILL, as a crash would, to the process and everything it forked
+    /// that stayed in its process group: nginx's master dies without
+    /// stopping its workers, which would go on running, holding their
+    /// sockets and log files, in a network namespace already deleted.
+    /// Only while the child is not reaped: until then (running or a
+    /// zombie) its ID cannot be another process's.
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !self.reaped {
+            let group = nix::unistd::Pid::from_raw(self.child.id() as i32);
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            self.reaped = true;
+        }
+    }
+
+    /// The child's exit status if it has exited, without reaping it (so
+    /// that `kill` can still reach its group).
+    fn exited(&self) -> std::io::Result<Option<nix::sys::wait::WaitStatus>> {
+        use nix::sys::wait::{Id, WaitPidFlag, WaitStatus, waitid};
+        if self.reaped {
+            return Ok(None);
+        }
+        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+        match waitid(Id::Pid(nix::unistd::Pid::from_raw(self.child.id() as i32)), flags)? {
+            WaitStatus::StillAlive => Ok(None),
+            status => Ok(Some(status)),
+        }
     }
 
     pub fn signal(&self, signal: &str) {
@@ -97,7 +129,12 @@ impl Proc {
     pub async fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
         let deadline = std::time::Instant::now() + limit;
         loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
+            if self.exited().unwrap().is_some() {
+                // Its group goes too, as with `kill`.
+                let group = nix::unistd::Pid::from_raw(self.child.id() as i32);
+                let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+                let status = self.child.wait().unwrap();
+                self.reaped = true;
                 return Some(status);
             }
             if std::time::Instant::now() > deadline {
@@ -116,11 +153,11 @@ impl Drop for Proc {
     fn drop(&mut self) {
         // A process that died on its own (a crash) is the first thing to
         // know when a test fails: it leaves no log line behind.
-        let exited = self.child.try_wait();
+        let exited = self.exited();
         self.kill();
         if std::thread::panicking() {
             let status = match exited {
-                Ok(Some(status)) => format!("had exited by itself: {status}"),
+                Ok(Some(status)) => format!("had exited by itself: {status:?}"),
                 Ok(None) => "was running".to_owned(),
                 Err(error) => format!("state unknown: {error}"),
             };
