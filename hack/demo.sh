@@ -104,4 +104,4 @@ python3 hack/grpc-dial.py "$PWD/$work/konnectivity-server.socket" "127.0.0.1:$WE
 
 echo "== server metrics after the request"
 curl -sS "http://127.0.0.1:$SERVER_HEALTH_PORT/metrics" | grep -E '^konnectivity_network_proxy_server_(established_connections|ready_backends|stream_packets_total\{segment="from_agent",packet_type="DATA"\}) '
-echo "== demo done (logs in $work)"
+echo "== demo done (logs in $work; the binaries in $bin: README's \"Running it\" runs them by hand)"

@@ -28,10 +28,12 @@ fi
 # installed (as on a machine without one, such as CI's).
 if [[ ${FUZZ_TOOLCHAIN:-} != stable ]] && cargo +nightly --version >/dev/null 2>&1; then
   fuzz() { cargo +nightly fuzz "$@"; }
-  toolchain=nightly
+  toolchain="nightly $(cargo +nightly --version | cut -d' ' -f2): this machine has one, cargo-fuzz's own;
+    FUZZ_TOOLCHAIN=stable builds with the pinned stable one instead, as on a machine without nightly"
 else
   fuzz() { RUSTC_BOOTSTRAP=1 cargo fuzz "$@"; }
-  toolchain="stable $(rustc --version | cut -d' ' -f2) with RUSTC_BOOTSTRAP=1"
+  toolchain="stable $(rustc --version | cut -d' ' -f2) with RUSTC_BOOTSTRAP=1: $(
+    [[ ${FUZZ_TOOLCHAIN:-} == stable ]] && echo "FUZZ_TOOLCHAIN=stable" || echo "no nightly on this machine")"
 fi
 
 if [[ ${1:-} == --minimise ]]; then

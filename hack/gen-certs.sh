@@ -47,16 +47,32 @@ issue() { # name, CN, extensions, CA name, days
   rm -f "$name.csr" "$name.ext"
 }
 
+# Says what was made, where, and what each is for: the commands that use the
+# files name them with the directory.
+report() { # dir, then "file: what" lines
+  local dir=$1
+  shift
+  echo "certificates in $dir (keys mode 0600):"
+  printf '  %s\n' "$@"
+}
+
 demo() {
   local dir=$1
   mkdir -p "$dir"
+  dir=$(cd "$dir" && pwd)
   cd "$dir"
   make_ca ca konnectivity-demo-ca 2
   issue server proxy-server "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1
 extendedKeyUsage=serverAuth" ca 2
   issue agent proxy-agent "extendedKeyUsage=clientAuth" ca 2
   issue client kube-apiserver "extendedKeyUsage=clientAuth" ca 2
+  rm -f ./*.srl
   chmod 600 ./*.key
+  report "$dir" \
+    "ca.crt ca.key          the CA (two days): proxy-server --cluster-ca-cert, proxy-agent --ca-cert" \
+    "server.crt server.key  proxy-server --cluster-cert/--cluster-key; names localhost, 127.0.0.1, ::1" \
+    "agent.crt agent.key    proxy-agent --agent-cert/--agent-key" \
+    "client.crt client.key  a frontend client's (kube-apiserver's over TCP): proxy-test-client --client-cert/--client-key"
 }
 
 cluster() {
@@ -92,6 +108,15 @@ extendedKeyUsage=clientAuth" cluster-ca $days
   done
   rm -f ./*.srl
   chmod 600 ./*.key
+  local made=(
+    "cluster-ca.crt/.key      signs the server's and agents' certificates: --cluster-ca-cert, proxy-agent --ca-cert"
+    "server.crt/.key          proxy-server --cluster-cert/--cluster-key; names ${sans[*]}"
+    "agent.crt/.key           egress agents' --agent-cert/--agent-key"
+  )
+  for id in "${agents[@]}"; do made+=("$id.crt/.key  control-plane agent $id (list it in --control-plane-agent-ids)"); done
+  made+=("node-client-ca.crt/.key  proxy-server --node-client-ca-cert")
+  for node in "${nodes[@]}"; do made+=("node-$node.crt/.key  node agent of $node: --node-client-cert/--node-client-key"); done
+  report "$(pwd)" "${made[@]}"
 }
 
 case ${1:-} in
