@@ -9,7 +9,6 @@
 //! kept connection busy opens one of its own, and a watch holds its
 //! connection until it ends.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -34,20 +33,11 @@ const PING_AFTER: Duration = Duration::from_secs(30);
 /// watch never waits on a connection that died silently.
 const PING_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// What kube-apiserver chose at the last TLS handshake (ALPN).
-const UNKNOWN: u8 = 0;
-const HTTP2: u8 = 1;
-const HTTP1: u8 = 2;
-
 type Body = Full<Bytes>;
 
 pub struct KubeClient {
     endpoint: KubeEndpoint,
     connections: Mutex<Connections>,
-    /// The protocol kube-apiserver chose last: while it is HTTP/2 (or not
-    /// known yet), a request that needs a connection opens it while holding
-    /// `connections`, so that concurrent requests share it.
-    protocol: AtomicU8,
 }
 
 #[derive(Default)]
@@ -56,6 +46,10 @@ struct Connections {
     shared: Option<http2::SendRequest<Body>>,
     /// An idle HTTP/1.1 connection from an earlier request.
     idle: Option<http1::SendRequest<Body>>,
+    /// kube-apiserver chose HTTP/1.1 at the last handshake. Until it does
+    /// (and again once it chooses HTTP/2), a request that needs a connection
+    /// opens it while holding the lock, so that concurrent requests share it.
+    http1: bool,
 }
 
 /// A connection to send one request on.
@@ -78,7 +72,6 @@ impl KubeClient {
         KubeClient {
             endpoint,
             connections: Mutex::new(Connections::default()),
-            protocol: AtomicU8::new(UNKNOWN),
         }
     }
 
@@ -252,14 +245,22 @@ impl KubeClient {
         if let Some(idle) = connections.idle.take().filter(|idle| idle.is_ready()) {
             return Ok(Sender::Http1(idle));
         }
-        if self.protocol.load(Ordering::Relaxed) == HTTP1 {
+        if connections.http1 {
             // One connection per request: no reason to make the others wait.
             drop(connections);
-            return self.connect().await;
+            let sender = self.connect().await?;
+            if let Sender::Http2(shared) = &sender {
+                // HTTP/2 again (kube-apiserver was restarted with it on).
+                let mut connections = self.connections.lock().await;
+                connections.http1 = false;
+                connections.shared.get_or_insert_with(|| shared.clone());
+            }
+            return Ok(sender);
         }
         let sender = self.connect().await?;
-        if let Sender::Http2(shared) = &sender {
-            connections.shared = Some(shared.clone());
+        match &sender {
+            Sender::Http2(shared) => connections.shared = Some(shared.clone()),
+            Sender::Http1(_) => connections.http1 = true,
         }
         Ok(sender)
     }
@@ -313,8 +314,6 @@ impl KubeClient {
             .await
             .map_err(connect_error)?;
         let http2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        self.protocol
-            .store(if http2 { HTTP2 } else { HTTP1 }, Ordering::Relaxed);
         tracing::debug!(
             server = %self.endpoint.server,
             protocol = if http2 { "HTTP/2" } else { "HTTP/1.1" },

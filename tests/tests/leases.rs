@@ -528,21 +528,20 @@ async fn an_agent_in_a_pod_counts_leases_with_its_service_account() {
     assert!(api.calls("GET watch") >= 1, "the agent watches the Leases");
 
     // The kubelet rotates the projected token in place; the old one expires.
-    // The agent's next list (after kube-apiserver cut its watch) carries
-    // the new one.
+    // The agent's next watch (after kube-apiserver cut the one it had)
+    // carries the new one: the stand-in counts only calls it authorized.
     let token = format!(
         "/proc/{}/root/run/secrets/kubernetes.io/serviceaccount/token",
         agent.proc.pid()
     );
     std::fs::write(&token, "rotated-token").unwrap();
     api.rotate_token(SERVICE_ACCOUNT_TOKEN, "rotated-token");
-    let lists = "konnectivity_network_proxy_agent_lease_lists_total{http_response_code=\"200\",reason=\"\"}";
-    let listed = metric(agent_port, lists).await.unwrap();
+    let watches = api.calls("GET watch");
     api.restart().await;
     wait_until(
         Duration::from_secs(10),
-        "a list with the rotated token",
-        || async { metric(agent_port, lists).await > Some(listed) },
+        "a watch with the rotated token",
+        || async { api.calls("GET watch") > watches },
     )
     .await;
     assert_eq!(metric(agent_port, KNOWN).await, Some(2.0));
