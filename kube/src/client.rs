@@ -346,3 +346,148 @@ impl KubeClient {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures_util::StreamExt;
+
+    use super::*;
+
+    /// A kube-apiserver stand-in offering `alpn` (Go's net/http offers h2
+    /// and http/1.1): answers every GET with `{}`, a watch with one event
+    /// it then holds open, and counts the connections it accepted.
+    struct Server {
+        endpoint: KubeEndpoint,
+        connections: Arc<AtomicUsize>,
+        http2: Arc<AtomicUsize>,
+    }
+
+    async fn server(alpn: &[&[u8]]) -> Server {
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(vec![]).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+            .unwrap()
+            .signed_by(&key, &rcgen::Issuer::new(ca, ca_key))
+            .unwrap();
+        let mut tls =
+            rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_no_client_auth()
+                .with_single_cert(
+                    vec![cert.der().clone()],
+                    rustls_pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+                )
+                .unwrap();
+        tls.alpn_protocols = alpn.iter().map(|proto| proto.to_vec()).collect();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (connections, http2) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (accepted, accepted_http2) = (connections.clone(), http2.clone());
+        tokio::spawn(async move {
+            while let Ok((tcp, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                accepted.fetch_add(1, Ordering::Relaxed);
+                let accepted_http2 = accepted_http2.clone();
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(
+                        |request: Request<hyper::body::Incoming>| async move {
+                            let watch = request.uri().query().unwrap_or_default().contains("watch=true");
+                            let body: http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible> =
+                                if watch {
+                                    let event = Bytes::from_static(
+                                b"{\"type\":\"BOOKMARK\",\"object\":{\"metadata\":{\"resourceVersion\":\"7\"}}}\n",
+                            );
+                                    let held =
+                                        futures_util::stream::iter([Ok(hyper::body::Frame::data(event))])
+                                            .chain(futures_util::stream::pending());
+                                    BodyExt::boxed(http_body_util::StreamBody::new(held))
+                                } else {
+                                    BodyExt::boxed(Full::new(Bytes::from_static(b"{}")))
+                                };
+                            Ok::<_, std::convert::Infallible>(http::Response::new(body))
+                        },
+                    );
+                    let io = TokioIo::new(tls);
+                    if io.inner().get_ref().1.alpn_protocol() == Some(b"h2") {
+                        accepted_http2.fetch_add(1, Ordering::Relaxed);
+                        let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                            .serve_connection(io, service)
+                            .await;
+                    } else {
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(io, service)
+                            .await;
+                    }
+                });
+            }
+        });
+        let dir = std::env::temp_dir().join(format!("kube-client-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("ca.crt"), ca_cert.pem()).unwrap();
+        let kubeconfig = dir.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: c\n\
+                 clusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: ca.crt\n\
+                 users:\n- name: u\n  user:\n    token: t\n\
+                 contexts:\n- name: c\n  context: {{cluster: c, user: u}}\n"
+            ),
+        )
+        .unwrap();
+        let endpoint = KubeEndpoint::from_kubeconfig(&kubeconfig).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+        Server {
+            endpoint,
+            connections,
+            http2,
+        }
+    }
+
+    /// Fifty requests at once and a watch held open: one connection, as
+    /// client-go's, when kube-apiserver offers HTTP/2.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_and_watches_share_one_http2_connection() {
+        let server = server(&[b"h2", b"http/1.1"]).await;
+        let client = KubeClient::new(server.endpoint.clone());
+        let mut watch = client.watch("/apis/x?watch=true").await.unwrap();
+        let event = watch.next::<serde_json::Value>().await.unwrap();
+        assert!(
+            matches!(event, Some(crate::watch::WatchEvent::Bookmark { ref resource_version }) if resource_version == "7")
+        );
+        let requests = (0..50).map(|_| client.get::<serde_json::Value>("/apis/x"));
+        for answer in futures_util::future::join_all(requests).await {
+            answer.unwrap();
+        }
+        assert_eq!(server.connections.load(Ordering::Relaxed), 1);
+        assert_eq!(server.http2.load(Ordering::Relaxed), 1);
+    }
+
+    /// With HTTP/2 off, HTTP/1.1: concurrent requests open connections of
+    /// their own, and each one's answer arrives.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_without_http2_is_spoken_to_in_http1() {
+        let server = server(&[b"http/1.1"]).await;
+        let client = KubeClient::new(server.endpoint.clone());
+        let requests = (0..5).map(|_| client.get::<serde_json::Value>("/apis/x"));
+        for answer in futures_util::future::join_all(requests).await {
+            answer.unwrap();
+        }
+        // One kept idle is reused by the next request.
+        let opened = server.connections.load(Ordering::Relaxed);
+        client.get::<serde_json::Value>("/apis/x").await.unwrap();
+        assert_eq!(server.connections.load(Ordering::Relaxed), opened);
+        assert_eq!(server.http2.load(Ordering::Relaxed), 0);
+    }
+}

@@ -62,3 +62,29 @@ impl NodeMetrics {
         self.captured.get_or_create(&vec![("outcome", outcome)]).inc();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The node role's families under the agent's prefix, as Go's client
+    /// writes them (a counter's TYPE line with its `_total`).
+    #[test]
+    fn the_node_families_are_written_under_the_agents_prefix() {
+        let mut registry = Registry::with_prefix("konnectivity_network_proxy_agent");
+        let metrics = NodeMetrics::register(&mut registry);
+        metrics.captured(CaptureOutcome::Tunneled);
+        metrics.captured(CaptureOutcome::TunnelUnavailable);
+        metrics.node_tunnel_up.set(1);
+        let text = konnectivity_telemetry::metrics::encode(&registry);
+        for line in [
+            "# TYPE konnectivity_network_proxy_agent_captured_connections_total counter\n",
+            "konnectivity_network_proxy_agent_captured_connections_total{outcome=\"tunneled\"} 1\n",
+            "konnectivity_network_proxy_agent_captured_connections_total{outcome=\"tunnel_unavailable\"} 1\n",
+            "konnectivity_network_proxy_agent_node_tunnel_up 1\n",
+            "konnectivity_network_proxy_agent_captured_connections_open 0\n",
+        ] {
+            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
+    }
+}

@@ -432,6 +432,60 @@ mod tests {
         assert_eq!(json["v"], 2);
     }
 
+    /// Events at klog's `-v=1` (target [`V1`]): hidden at `-v=0`, shown
+    /// from `-v=1` on and by a `--vmodule` level of 1 for their file, and
+    /// `"v":1` in JSON.
+    #[test]
+    fn v1_events_need_verbosity_one() {
+        use std::sync::{Arc, Mutex};
+        use tracing_subscriber::layer::SubscriberExt;
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let logged = |global: u32, vmodule: &str, emit: &dyn Fn()| {
+            let buffer = Buffer::default();
+            let writer = buffer.clone();
+            let layer = tracing_subscriber::fmt::layer()
+                .with_ansi(false)
+                .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+                .event_format(KubernetesFormat {
+                    format: LogFormat::Json,
+                    pid: 1,
+                    header: Header::FileName,
+                    backtrace_at: None,
+                })
+                .with_writer(move || writer.clone())
+                .with_filter(filter::Verbosity {
+                    global,
+                    vmodule: filter::VModule::parse(vmodule).unwrap(),
+                });
+            tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), emit);
+            String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap()
+        };
+        // A callsite each: tracing caches a callsite's interest.
+        assert_eq!(logged(0, "", &|| tracing::info!(target: V1, "flag")), "");
+        let shown = logged(1, "", &|| tracing::info!(target: V1, "flag"));
+        let json: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        assert_eq!(
+            (json["msg"].as_str(), json["v"].as_u64()),
+            (Some("flag"), Some(1)),
+            "{shown}"
+        );
+        assert!(!logged(0, "logging=1", &|| tracing::info!(target: V1, "flag")).is_empty());
+        assert!(logged(0, "other=1", &|| tracing::info!(target: V1, "flag")).is_empty());
+        // Plain info events stay at -v=0, with "v":0.
+        let plain = logged(0, "", &|| tracing::info!("started"));
+        assert!(plain.contains("\"v\":0"), "{plain}");
+    }
+
     #[test]
     fn values_are_quoted_as_go_quotes_them() {
         let mut out = String::new();

@@ -271,3 +271,58 @@ fn idents(tokens: proc_macro2::TokenStream, names: &mut BTreeSet<String>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A dependency no source names is reported; one named in code, in a
+    /// macro's arguments or only by a test (a development dependency) is
+    /// not.
+    #[test]
+    fn the_dependency_check_reports_what_no_source_names() {
+        let dir = std::env::temp_dir().join(format!("konnectivity-layout-deps-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("tests")).unwrap();
+        std::fs::write(
+            dir.join("lib.rs"),
+            "//! serde_json is named only in this comment.\nfn f() { tokio::spawn(async {}); tracing::info!(x = ?bytes::Bytes::new()); }\n",
+        )
+        .unwrap();
+        std::fs::write(dir.join("tests/it.rs"), "use rcgen::KeyPair;\n").unwrap();
+        let dependency = |lib: &str, kind| Dependency {
+            lib: lib.to_owned(),
+            package: lib.replace('_', "-"),
+            kind,
+            local: false,
+        };
+        let krate = Crate {
+            name: "scratch".to_owned(),
+            targets: vec![
+                Target {
+                    name: "scratch".to_owned(),
+                    root: dir.join("lib.rs"),
+                    kind: TargetKind::Product,
+                },
+                Target {
+                    name: "it".to_owned(),
+                    root: dir.join("tests/it.rs"),
+                    kind: TargetKind::Development,
+                },
+            ],
+            dependencies: vec![
+                dependency("tokio", TargetKind::Product),
+                dependency("tracing", TargetKind::Product),
+                dependency("bytes", TargetKind::Product),
+                dependency("serde_json", TargetKind::Product),
+                dependency("rcgen", TargetKind::Development),
+                dependency("rcgen", TargetKind::Product),
+            ],
+        };
+        assert_eq!(
+            krate.unused_dependencies(),
+            ["serde-json (serde_json)", "rcgen (rcgen)"],
+            "a library may not lean on what only its tests name"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
