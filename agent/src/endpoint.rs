@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
-use konnectivity_proto::{ConnectId, DATA_CHUNK, DialTarget, Frame, Packet, TargetError};
+use konnectivity_proto::{ConnectId, DATA_CHUNK, DialTarget, Packet, TargetError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -131,7 +131,7 @@ pub(crate) async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, 
                 if window.reserve(data.len()).await.is_err() {
                     return;
                 }
-                let packet = Frame::Data { connect_id, data }.into();
+                let packet = window.data(connect_id, data).into();
                 if stream.outbound.send(packet).await.is_err() {
                     return;
                 }
@@ -153,9 +153,8 @@ pub(crate) async fn pump_to_endpoint(mut write: OwnedWriteHalf, mut port: Port<B
             return;
         }
         stream.bytes.sent_to_target(chunk.len());
-        if let Some(bytes) = port.written(chunk.len()) {
-            let connect_id = stream.connect_id;
-            let update = Frame::WindowUpdate { connect_id, bytes }.into();
+        if let Some(credit) = port.written(chunk.len()) {
+            let update = credit.frame(stream.connect_id).into();
             if stream.outbound.send(update).await.is_err() {
                 return;
             }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
-use konnectivity_mux::flow;
+use konnectivity_mux::{Extensions, flow};
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
 use konnectivity_proto::{AgentIdentifiers, Packet, PacketType};
@@ -89,9 +89,9 @@ pub(crate) struct ServerStream {
     pub server_count: u32,
     pub inbound: Streaming<Packet>,
     pub outbound: mpsc::Sender<Packet>,
-    /// The server agreed to per-connection flow control ([`flow`]); it is
-    /// then one of ours, which also answers probes.
-    pub flow_control: bool,
+    /// What the server agreed to beyond upstream's protocol: with flow
+    /// control ([`flow`]) it is one of ours, which also answers probes.
+    pub extensions: Extensions,
     /// The connection the stream runs on, for probes.
     pub channel: Channel,
 }
@@ -144,7 +144,7 @@ impl ServerTarget {
         Ok(ServerStream {
             server_id: headers.server_id,
             server_count: headers.server_count,
-            flow_control: headers.flow_control,
+            extensions: headers.extensions,
             inbound: response.into_inner(),
             outbound,
             channel,
@@ -309,7 +309,10 @@ impl ServerTarget {
         Ok(Headers {
             server_id,
             server_count,
-            flow_control,
+            extensions: match flow_control {
+                true => Extensions::FlowControl,
+                false => Extensions::Upstream,
+            },
         })
     }
 }
@@ -318,7 +321,7 @@ impl ServerTarget {
 struct Headers {
     server_id: String,
     server_count: u32,
-    flow_control: bool,
+    extensions: Extensions,
 }
 
 /// `Bearer <token>` from the token file, as it is now.

@@ -165,7 +165,7 @@ pub(crate) async fn serve(
                     tracing::info!(
                         server_id = %stream.server_id,
                         server_count = stream.server_count,
-                        flow_control = stream.flow_control,
+                        flow_control = stream.extensions.flow_control(),
                         connected = held.len() + 1,
                         "connected to proxy-server"
                     );
@@ -331,7 +331,7 @@ pub(crate) async fn serve_each(
                             tracing::info!(
                                 %addr,
                                 server_id = %stream.server_id,
-                                flow_control = stream.flow_control,
+                                flow_control = stream.extensions.flow_control(),
                                 "connected to proxy-server"
                             );
                             let server_id = stream.server_id.clone();
@@ -401,7 +401,7 @@ fn start_session(
     drain: &Watcher,
     reports: &mpsc::UnboundedSender<Report>,
 ) -> SessionTask {
-    let probe = stream.flow_control.then(|| Probe {
+    let probe = stream.extensions.flow_control().then(|| Probe {
         target: target.clone(),
         channel: stream.channel.clone(),
         every: probe_interval,
@@ -409,7 +409,7 @@ fn start_session(
     let run = session::run(
         stream.inbound,
         stream.outbound,
-        stream.flow_control,
+        stream.extensions,
         settings.clone(),
         metrics.clone(),
         drain.clone(),

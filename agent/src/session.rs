@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use konnectivity_mux::{Connections, Delivery};
+use konnectivity_mux::{Connections, Delivery, Extensions};
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::limit::{Limit, Slot};
-use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
+use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet, PacketType};
 use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -117,8 +117,8 @@ struct Session {
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     outbound: mpsc::Sender<Packet>,
-    /// The server agreed to per-connection flow control.
-    flow_control: bool,
+    /// What the server agreed to beyond upstream's protocol.
+    extensions: Extensions,
     next_connect_id: ConnectId,
     dials: HashMap<DialId, PendingDial>,
     endpoints: Connections<Bytes, Endpoint>,
@@ -165,7 +165,7 @@ impl StreamEnd {
 pub async fn run<S>(
     mut inbound: S,
     outbound: mpsc::Sender<Packet>,
-    flow_control: bool,
+    extensions: Extensions,
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     drain: Watcher,
@@ -181,7 +181,7 @@ where
         settings,
         metrics,
         outbound,
-        flow_control,
+        extensions,
         next_connect_id: ConnectId::FIRST,
         dials: HashMap::new(),
         endpoints: Connections::default(),
@@ -248,8 +248,21 @@ impl Session {
             }
         };
         match frame {
-            Frame::Data { connect_id, data } => self.on_data(connect_id, data).await?,
-            Frame::WindowUpdate { connect_id, bytes } => self.endpoints.grant(connect_id, bytes),
+            Frame::Data {
+                connect_id,
+                data,
+                offset,
+            } => self.on_data(connect_id, data, offset).await?,
+            Frame::WindowUpdate {
+                connect_id,
+                bytes,
+                written,
+            } => {
+                if let Err((entry, error)) = self.endpoints.grant(connect_id, bytes, written) {
+                    self.violation(connect_id, entry, error.to_string(), PacketType::WindowUpdate)
+                        .await?;
+                }
+            }
             Frame::DialRequest {
                 protocol,
                 address,
@@ -285,11 +298,16 @@ impl Session {
     /// Hands DATA to its endpoint's writer. With flow control this never
     /// waits; with an upstream server it waits for a full endpoint, as
     /// upstream's agent does.
-    async fn on_data(&mut self, connect_id: ConnectId, data: Bytes) -> Result<(), StreamGone> {
-        match self.endpoints.deliver(connect_id, data, || ()).await {
+    async fn on_data(
+        &mut self,
+        connect_id: ConnectId,
+        data: Bytes,
+        offset: Option<u64>,
+    ) -> Result<(), StreamGone> {
+        match self.endpoints.deliver(connect_id, data, offset, || ()).await {
             // A gone writer has already reported the endpoint closed; that
             // report answers the server.
-            Delivery::Delivered | Delivery::ConsumerGone => Ok(()),
+            Delivery::Delivered | Delivery::Duplicate | Delivery::ConsumerGone => Ok(()),
             Delivery::Unknown => {
                 self.send(Frame::CloseResponse {
                     connect_id,
@@ -297,22 +315,34 @@ impl Session {
                 })
                 .await
             }
-            Delivery::Overrun { mut entry, error } => {
-                tracing::warn!(%connect_id, %error, "closing connection");
-                self.metrics.stream_errors.count(
-                    Segment::ToAgent,
-                    tonic::Code::ResourceExhausted,
-                    Some(konnectivity_proto::PacketType::Data),
-                );
-                entry.state.life.set_end(TunnelEnd::ProtocolError);
-                drop(entry);
-                self.send(Frame::CloseResponse {
-                    connect_id,
-                    error: Some(error.to_string()),
-                })
-                .await
+            Delivery::Violation { entry, error } => {
+                self.violation(connect_id, entry, error.to_string(), PacketType::Data)
+                    .await
             }
         }
+    }
+
+    /// The server broke the protocol on one connection (more than its
+    /// window, bytes out of order): that connection ends, the stream and
+    /// its other connections carry on.
+    async fn violation(
+        &mut self,
+        connect_id: ConnectId,
+        mut entry: konnectivity_mux::Entry<Bytes, Endpoint>,
+        error: String,
+        kind: PacketType,
+    ) -> Result<(), StreamGone> {
+        tracing::warn!(%connect_id, %error, "closing connection");
+        self.metrics
+            .stream_errors
+            .count(Segment::ToAgent, tonic::Code::ResourceExhausted, Some(kind));
+        entry.state.life.set_end(TunnelEnd::ProtocolError);
+        drop(entry);
+        self.send(Frame::CloseResponse {
+            connect_id,
+            error: Some(error),
+        })
+        .await
     }
 
     async fn on_dial_request(
@@ -414,7 +444,7 @@ impl Session {
         tunnel.record("connect_id", tracing::field::display(connect_id));
         let bytes = Arc::new(TunnelBytes::default());
         let (read, write) = stream.into_split();
-        let (route, port, send_window) = konnectivity_mux::connection(self.flow_control);
+        let (route, port, send_window) = konnectivity_mux::connection(self.extensions);
         let stream = endpoint::StreamHandle {
             connect_id,
             outbound: self.outbound.clone(),

@@ -58,7 +58,7 @@ impl TunnelStream {
 
     fn on_packet(&mut self, packet: Packet) {
         match Frame::try_from(packet) {
-            Ok(Frame::Data { connect_id, data }) if connect_id == self.connect_id => self.pending = data,
+            Ok(Frame::Data { connect_id, data, .. }) if connect_id == self.connect_id => self.pending = data,
             Ok(Frame::CloseResponse { error: None, .. }) => self.read_end = ReadEnd::Closed,
             Ok(Frame::CloseResponse {
                 error: Some(error), ..
@@ -110,6 +110,7 @@ impl AsyncWrite for TunnelStream {
         let data = Frame::Data {
             connect_id: this.connect_id,
             data: Bytes::copy_from_slice(&buf[..n]),
+            offset: None,
         };
         this.outbound
             .send_item(data.into())

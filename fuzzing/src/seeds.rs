@@ -107,6 +107,12 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
     let data = |connect_id, len| Frame::Data {
         connect_id: id(connect_id),
         data: Bytes::from(vec![0x5a; len]),
+        offset: None,
+    };
+    let numbered = |connect_id, offset, len| Frame::Data {
+        connect_id: id(connect_id),
+        data: Bytes::from(vec![0x5a; len]),
+        offset: Some(offset),
     };
     // Server side: the harness waits on dials 1 and 2.
     let dialed = Frame::DialResponse {
@@ -138,6 +144,33 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         ),
         ("dial-refused", 2, vec![refused.clone()]),
         (
+            // Resume negotiated: numbered DATA in order, a repeat, a gap,
+            // credit by position, a position past what was sent, a RESUME.
+            "resume-numbered",
+            4 | 2,
+            vec![
+                dialed.clone(),
+                numbered(5, 0, 1024),
+                numbered(5, 1024, 1024),
+                numbered(5, 0, 1024),
+                numbered(5, 9999, 10),
+                Frame::WindowUpdate {
+                    connect_id: id(5),
+                    bytes: 0,
+                    written: Some(1 << 40),
+                },
+                Frame::Resume {
+                    connections: vec![konnectivity_proto::ResumeEntry {
+                        connect_id: id(5),
+                        received: 0,
+                        written: 0,
+                        closing: false,
+                    }],
+                    last: true,
+                },
+            ],
+        ),
+        (
             "flow-window-update",
             3,
             vec![
@@ -145,6 +178,7 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
                 Frame::WindowUpdate {
                     connect_id: id(5),
                     bytes: 65536,
+                    written: None,
                 },
                 data(5, 4096),
             ],
@@ -215,6 +249,7 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
                     connect_id: 0,
                     data: Bytes::from_static(&[1, 2, 3]),
                     error: String::new(),
+                    offset: None,
                 })),
             });
             packets.push(Packet {
@@ -223,6 +258,7 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
                     connect_id: i64::MIN,
                     data: Bytes::new(),
                     error: String::new(),
+                    offset: None,
                 })),
             });
         }
@@ -252,6 +288,7 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
                 Frame::WindowUpdate {
                     connect_id: id(1),
                     bytes: 1 << 20,
+                    written: None,
                 },
             ],
         ),
@@ -349,6 +386,7 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
                 Frame::WindowUpdate {
                     connect_id: id(1),
                     bytes: 1 << 30,
+                    written: None,
                 },
             ],
         ),

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Buf;
+use konnectivity_mux::Extensions;
 use konnectivity_proto::{DialId, Packet, PacketType};
 use prost::Message;
 use tokio::sync::{mpsc, watch};
@@ -38,6 +39,18 @@ fn decode(data: &[u8]) -> (u8, Vec<Packet>) {
     (switches, packets)
 }
 
+/// What the fuzzed stream negotiated: switch bit 2 resume (with flow
+/// control), else bit 0 flow control, else nothing (an upstream peer).
+fn extensions(switches: u8) -> Extensions {
+    if switches & 4 != 0 {
+        Extensions::Resume
+    } else if switches & 1 != 0 {
+        Extensions::FlowControl
+    } else {
+        Extensions::Upstream
+    }
+}
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -58,7 +71,7 @@ struct ServerSide {
 
 /// Starts a [`ServerSide`] whose agent did (or did not) negotiate flow
 /// control. Needs a runtime.
-fn server_side(flow_control: bool) -> ServerSide {
+fn server_side(extensions: Extensions) -> ServerSide {
     use konnectivity_server::hooks::Registry;
     use konnectivity_server::hooks::ServerMetrics;
     use konnectivity_server::hooks::Strategy;
@@ -68,7 +81,7 @@ fn server_side(flow_control: bool) -> ServerSide {
     let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
     let announced = Announced {
         agent_id: "fuzzed-agent".to_owned(),
-        flow_control,
+        extensions,
         ..Announced::default()
     };
     let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
@@ -92,14 +105,14 @@ fn server_side(flow_control: bool) -> ServerSide {
     }
 }
 
-/// The server's session for one agent stream. Switches: bit 0, the agent
-/// negotiated flow control; bit 1, the frontends read what reaches them
+/// The server's session for one agent stream. Switches: bits 0 and 2, what
+/// the agent negotiated ([`extensions`]); bit 1, the frontends read what reaches them
 /// (otherwise they read nothing and go away at the end).
 pub fn server_stream(data: &[u8]) {
     use konnectivity_server::hooks::{Command, Event};
 
     let (switches, packets) = decode(data);
-    let flow_control = switches & 1 != 0;
+    let extensions = extensions(switches);
     let frontends_read = switches & 2 != 0;
     runtime().block_on(async {
         let ServerSide {
@@ -109,7 +122,7 @@ pub fn server_stream(data: &[u8]) {
             mut to_agent,
             session,
             ..
-        } = server_side(flow_control);
+        } = server_side(extensions);
         // What the server sends the agent is not under test here; keep the
         // queue moving so the session never waits on it.
         tokio::spawn(async move { while to_agent.recv().await.is_some() {} });
@@ -117,7 +130,7 @@ pub fn server_stream(data: &[u8]) {
         // Two frontends wait on dials 1 and 2, which fuzzed DIAL_RSPs may answer.
         let mut frontends = Vec::new();
         for id in [1, 2] {
-            let (route, mut port, _) = konnectivity_mux::connection(flow_control);
+            let (route, mut port, _) = konnectivity_mux::connection(extensions);
             backend
                 .command(Command::Dial {
                     dial_id: DialId::new(id),
@@ -206,15 +219,15 @@ async fn settles(what: &str, done: impl Fn() -> bool) {
     }
 }
 
-/// The agent's session for one server stream. Switch bit 0: flow control
-/// negotiated. Every DIAL_REQ is sent to a local echo listener instead of
+/// The agent's session for one server stream. Switch bits 0 and 2: what
+/// was negotiated ([`extensions`]). Every DIAL_REQ is sent to a local echo listener instead of
 /// its fuzzed address, so no input reaches beyond this process.
 pub fn agent_stream(data: &[u8]) {
     use konnectivity_agent::hooks::AgentMetrics;
     use konnectivity_agent::hooks::session;
 
     let (switches, mut packets) = decode(data);
-    let flow_control = switches & 1 != 0;
+    let extensions = extensions(switches);
     runtime().block_on(async {
         let echo = echo_listener().await;
         for packet in &mut packets {
@@ -229,7 +242,7 @@ pub fn agent_stream(data: &[u8]) {
         let session = tokio::spawn(session::run(
             UnboundedReceiverStream::new(inbound),
             outbound,
-            flow_control,
+            extensions,
             agent_settings(),
             metrics.clone(),
             drain,
@@ -261,7 +274,7 @@ fn agent_settings() -> konnectivity_agent::hooks::SessionSettings {
 /// A frontend client's Proxy stream (kube-apiserver's side of the gRPC
 /// frontend), into a server whose one agent is a real agent session wired
 /// to it in memory; every dial reaches a local echo listener. Switches:
-/// bit 0, flow control negotiated; bit 1, the client reads what it is sent
+/// bits 0 and 2, what was negotiated ([`extensions`]); bit 1, the client reads what it is sent
 /// (otherwise it reads nothing and goes away at the end).
 ///
 /// After the client's stream ends and the client is gone, the frontend
@@ -307,7 +320,7 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
     use tokio_stream::StreamExt;
 
     let (switches, packets) = decode(data);
-    let flow_control = switches & 1 != 0;
+    let extensions = extensions(switches);
     let client_reads = switches & 2 != 0;
     runtime().block_on(async {
         let echo = echo_listener().await;
@@ -317,7 +330,7 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
             from_agent,
             mut to_agent,
             ..
-        } = server_side(flow_control);
+        } = server_side(extensions);
 
         // The agent: what the server sends reaches its session (dials sent
         // to the echo listener), what it sends reaches the server's.
@@ -343,7 +356,7 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
         tokio::spawn(session::run(
             UnboundedReceiverStream::new(agent_inbound),
             agent_outbound,
-            flow_control,
+            extensions,
             agent_settings(),
             agent_metrics.clone(),
             drain,
@@ -403,7 +416,9 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
                         connection = Some(id);
                     }
                 }
-                Some(Frame::Data { connect_id, data }) if Some(connect_id) == connection && !close_sent => {
+                Some(Frame::Data { connect_id, data, .. })
+                    if Some(connect_id) == connection && !close_sent =>
+                {
                     sent_bytes += data.len();
                 }
                 Some(Frame::CloseRequest { connect_id }) if Some(connect_id) == connection => {
@@ -424,7 +439,9 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
                         .frames
                         .iter()
                         .map(|frame| match frame {
-                            Frame::Data { connect_id: id, data } if *id == connect_id => data.len(),
+                            Frame::Data {
+                                connect_id: id, data, ..
+                            } if *id == connect_id => data.len(),
                             _ => 0,
                         })
                         .sum::<usize>()
@@ -484,6 +501,7 @@ mod tests {
             Frame::Data {
                 connect_id,
                 data: bytes::Bytes::from_static(b"hello"),
+                offset: None,
             },
         ];
         let mut input = vec![3u8];

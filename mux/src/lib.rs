@@ -14,7 +14,10 @@
 //! `konnectivity-proto`, which knows nothing of connections.
 
 mod connection;
+mod extensions;
 pub mod flow;
 mod mailbox;
+pub mod replay;
 
-pub use connection::{Connections, Delivery, Entry, Port, Route, connection};
+pub use connection::{Connections, Delivery, Entry, Port, ResumePlan, Route, connection};
+pub use extensions::Extensions;

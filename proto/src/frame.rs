@@ -35,17 +35,39 @@ pub enum Frame {
     Data {
         connect_id: ConnectId,
         data: Bytes,
+        /// With resume: where `data` starts in the connection's bytes.
+        offset: Option<u64>,
     },
     CloseDial {
         dial_id: DialId,
     },
     Drain,
-    /// konnectivity-rs extension ([`crate::flow`]): the receiver consumed
-    /// `bytes` more of `connect_id`'s window.
+    /// konnectivity-rs extension (docs/flow-control.md): the receiver
+    /// consumed `bytes` more of `connect_id`'s window; with resume,
+    /// `written` says how many of its bytes it has written out in all.
     WindowUpdate {
         connect_id: ConnectId,
         bytes: u32,
+        written: Option<u64>,
     },
+    /// konnectivity-rs extension (docs/resume.md): part of what the sender
+    /// holds of its connections as a stream resumes; `last` ends the list.
+    Resume {
+        connections: Vec<ResumeEntry>,
+        last: bool,
+    },
+}
+
+/// One connection in a [`Frame::Resume`] list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResumeEntry {
+    pub connect_id: ConnectId,
+    /// DATA bytes received on it, counted from its first.
+    pub received: u64,
+    /// Of those, the bytes written out.
+    pub written: u64,
+    /// The sender closed it and has not seen the close confirmed.
+    pub closing: bool,
 }
 
 /// Why a packet was rejected. The text is what peers and logs see.
@@ -59,6 +81,12 @@ pub enum PacketError {
     InvalidConnectId { kind: PacketType, raw: i64 },
     #[error("successful DIAL_RSP for random {0} carries no connectID")]
     DialResponseWithoutConnectId(i64),
+    #[error("RESUME says connectID {connect_id} wrote out {written} bytes but received only {received}")]
+    ResumeWrittenPastReceived {
+        connect_id: i64,
+        received: u64,
+        written: u64,
+    },
 }
 
 impl PacketError {
@@ -68,6 +96,7 @@ impl PacketError {
             PacketError::UnknownType(_) => None,
             PacketError::PayloadMismatch(kind) | PacketError::InvalidConnectId { kind, .. } => Some(*kind),
             PacketError::DialResponseWithoutConnectId(_) => Some(PacketType::DialRsp),
+            PacketError::ResumeWrittenPastReceived { .. } => Some(PacketType::Resume),
         }
     }
 }
@@ -104,6 +133,7 @@ impl TryFrom<Packet> for Frame {
             (PacketType::Data, Some(Payload::Data(d))) => Frame::Data {
                 connect_id: connect_id(d.connect_id)?,
                 data: d.data,
+                offset: d.offset,
             },
             (PacketType::DialCls, Some(Payload::CloseDial(r))) => Frame::CloseDial {
                 dial_id: DialId::new(r.random),
@@ -114,6 +144,29 @@ impl TryFrom<Packet> for Frame {
             (PacketType::WindowUpdate, Some(Payload::WindowUpdate(w))) => Frame::WindowUpdate {
                 connect_id: connect_id(w.connect_id)?,
                 bytes: w.bytes,
+                written: w.written,
+            },
+            (PacketType::Resume, Some(Payload::Resume(r))) => Frame::Resume {
+                connections: r
+                    .connections
+                    .into_iter()
+                    .map(|c| {
+                        if c.written > c.received {
+                            return Err(PacketError::ResumeWrittenPastReceived {
+                                connect_id: c.connect_id,
+                                received: c.received,
+                                written: c.written,
+                            });
+                        }
+                        Ok(ResumeEntry {
+                            connect_id: connect_id(c.connect_id)?,
+                            received: c.received,
+                            written: c.written,
+                            closing: c.closing,
+                        })
+                    })
+                    .collect::<Result<_, _>>()?,
+                last: r.last,
             },
             (kind, _) => return Err(PacketError::PayloadMismatch(kind)),
         };
@@ -163,12 +216,17 @@ impl From<Frame> for Packet {
                     connect_id: connect_id.get(),
                 }),
             ),
-            Frame::Data { connect_id, data } => (
+            Frame::Data {
+                connect_id,
+                data,
+                offset,
+            } => (
                 PacketType::Data,
                 Payload::Data(wire::Data {
                     connect_id: connect_id.get(),
                     error: String::new(),
                     data,
+                    offset,
                 }),
             ),
             Frame::CloseDial { dial_id } => (
@@ -178,11 +236,31 @@ impl From<Frame> for Packet {
                 }),
             ),
             Frame::Drain => (PacketType::Drain, Payload::Drain(wire::Drain {})),
-            Frame::WindowUpdate { connect_id, bytes } => (
+            Frame::WindowUpdate {
+                connect_id,
+                bytes,
+                written,
+            } => (
                 PacketType::WindowUpdate,
                 Payload::WindowUpdate(wire::WindowUpdate {
                     connect_id: connect_id.get(),
                     bytes,
+                    written,
+                }),
+            ),
+            Frame::Resume { connections, last } => (
+                PacketType::Resume,
+                Payload::Resume(wire::Resume {
+                    connections: connections
+                        .into_iter()
+                        .map(|c| wire::ResumeConnection {
+                            connect_id: c.connect_id.get(),
+                            received: c.received,
+                            written: c.written,
+                            closing: c.closing,
+                        })
+                        .collect(),
+                    last,
                 }),
             ),
         };
@@ -205,6 +283,7 @@ impl Frame {
             Frame::CloseDial { .. } => PacketType::DialCls,
             Frame::Drain => PacketType::Drain,
             Frame::WindowUpdate { .. } => PacketType::WindowUpdate,
+            Frame::Resume { .. } => PacketType::Resume,
         }
     }
 }
@@ -291,10 +370,30 @@ mod tests {
         let frame = Frame::Data {
             connect_id: ConnectId::new(1).unwrap(),
             data: Bytes::from_static(b"hi"),
+            offset: None,
         };
         let expected = [0x08, 0x04, 0x22, 0x06, 0x08, 0x01, 0x1a, 0x02, b'h', b'i'];
         assert_eq!(encode(frame.clone()), expected);
         assert_eq!(decode(&expected), Ok(frame));
+    }
+
+    #[test]
+    fn data_with_an_offset_encoding() {
+        // The offset is proto3 `optional`: 0 is sent, and told from absent.
+        for (offset, varint) in [(0u64, vec![0x00]), (300, vec![0xac, 0x02])] {
+            let frame = Frame::Data {
+                connect_id: ConnectId::new(1).unwrap(),
+                data: Bytes::from_static(b"hi"),
+                offset: Some(offset),
+            };
+            // Data field 32 (tag 0x80 0x02, varint) after connectID and data.
+            let mut inner = vec![0x08, 0x01, 0x1a, 0x02, b'h', b'i', 0x80, 0x02];
+            inner.extend(&varint);
+            let mut expected = vec![0x08, 0x04, 0x22, inner.len() as u8];
+            expected.extend(inner);
+            assert_eq!(encode(frame.clone()), expected);
+            assert_eq!(decode(&expected), Ok(frame));
+        }
     }
 
     #[test]
@@ -321,11 +420,68 @@ mod tests {
         let frame = Frame::WindowUpdate {
             connect_id: ConnectId::new(5).unwrap(),
             bytes: 65536,
+            written: None,
         };
         // type 32; field 32 (tag 0x82 0x02), 6 bytes: connectID 5, bytes 65536.
         let expected = [0x08, 0x20, 0x82, 0x02, 0x06, 0x08, 0x05, 0x10, 0x80, 0x80, 0x04];
         assert_eq!(encode(frame.clone()), expected);
         assert_eq!(decode(&expected), Ok(frame));
+
+        let frame = Frame::WindowUpdate {
+            connect_id: ConnectId::new(5).unwrap(),
+            bytes: 0,
+            written: Some(2),
+        };
+        // WindowUpdate field 32 (tag 0x80 0x02, varint 2); bytes 0 is not sent.
+        let expected = [0x08, 0x20, 0x82, 0x02, 0x05, 0x08, 0x05, 0x80, 0x02, 0x02];
+        assert_eq!(encode(frame.clone()), expected);
+        assert_eq!(decode(&expected), Ok(frame));
+    }
+
+    #[test]
+    fn resume_encoding() {
+        let frame = Frame::Resume {
+            connections: vec![ResumeEntry {
+                connect_id: ConnectId::new(2).unwrap(),
+                received: 300,
+                written: 1,
+                closing: true,
+            }],
+            last: true,
+        };
+        // type 33; Packet field 33 (tag 0x8a 0x02); Resume: connections (0x0a)
+        // holding connectID 2, received 300, written 1, closing true; last true.
+        let expected = [
+            0x08, 0x21, 0x8a, 0x02, 0x0d, 0x0a, 0x09, 0x08, 0x02, 0x10, 0xac, 0x02, 0x18, 0x01, 0x20, 0x01,
+            0x10, 0x01,
+        ];
+        assert_eq!(encode(frame.clone()), expected);
+        assert_eq!(decode(&expected), Ok(frame));
+    }
+
+    #[test]
+    fn a_resume_entry_that_wrote_more_than_it_received_is_rejected() {
+        // connectID 2, received 1, written 2.
+        let bytes = [
+            0x08, 0x21, 0x8a, 0x02, 0x08, 0x0a, 0x06, 0x08, 0x02, 0x10, 0x01, 0x18, 0x02,
+        ];
+        assert_eq!(
+            decode(&bytes),
+            Err(PacketError::ResumeWrittenPastReceived {
+                connect_id: 2,
+                received: 1,
+                written: 2
+            })
+        );
+        // connectID 0 names no connection.
+        let bytes = [0x08, 0x21, 0x8a, 0x02, 0x02, 0x0a, 0x00];
+        assert_eq!(
+            decode(&bytes),
+            Err(PacketError::InvalidConnectId {
+                kind: PacketType::Resume,
+                raw: 0
+            })
+        );
     }
 
     #[test]

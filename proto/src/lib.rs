@@ -13,7 +13,7 @@ mod ids;
 mod target;
 pub mod wire;
 
-pub use frame::{Frame, PacketError};
+pub use frame::{Frame, PacketError, ResumeEntry};
 pub use identifiers::{AgentIdentifiers, IdentifiersError};
 pub use ids::{ConnectId, DialId};
 pub use target::{DialTarget, TargetError};

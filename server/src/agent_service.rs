@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures_util::{Stream, StreamExt};
-use konnectivity_mux::flow;
+use konnectivity_mux::{Extensions, flow};
 use konnectivity_plumbing::tls::certificate_names;
 use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
 use konnectivity_proto::wire::agent_service_server::AgentService;
@@ -151,11 +151,15 @@ impl AgentService for AgentServer {
                 flow_control,
             ));
         }
+        let extensions = match flow_control {
+            true => Extensions::FlowControl,
+            false => Extensions::Upstream,
+        };
         let announced = Announced {
             agent_id,
             identifiers,
             control_plane,
-            flow_control,
+            extensions,
         };
         let id = BackendId(self.next_backend.fetch_add(1, Ordering::Relaxed));
         let (backend, queues) = Backend::open(id, announced, self.metrics.clone());

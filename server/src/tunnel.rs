@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
-use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame};
+use konnectivity_proto::{ConnectId, DialId, DialTarget};
 
 use crate::backend::registry::Registry;
 use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
@@ -233,7 +233,7 @@ impl Dialer {
             self.metrics.dial_failed(DialFailure::NoAgent);
             return Err(DialError::NoBackend);
         };
-        let (route, mut port, send_window) = konnectivity_mux::connection(backend.flow_control);
+        let (route, mut port, send_window) = konnectivity_mux::connection(backend.extensions);
         backend
             .command(Command::Dial {
                 dial_id,
@@ -346,12 +346,8 @@ impl TunnelSender {
     pub async fn send(&self, data: Bytes) -> Result<(), BackendGone> {
         self.window.reserve(data.len()).await.map_err(|_| BackendGone)?;
         let len = data.len();
-        self.backend
-            .send(Frame::Data {
-                connect_id: self.connect_id,
-                data,
-            })
-            .await?;
+        let packet = self.window.data(self.connect_id, data);
+        self.backend.send(packet).await?;
         self.bytes.sent_to_target(len);
         Ok(())
     }
@@ -414,15 +410,10 @@ impl TunnelReceiver {
     pub async fn recv(&mut self) -> Result<Bytes, RemoteEnd> {
         let consumed = std::mem::take(&mut self.unconsumed);
         if consumed > 0
-            && let Some(bytes) = self.port.written(consumed)
+            && let Some(credit) = self.port.written(consumed)
+            && self.backend.send(credit.frame(self.connect_id)).await.is_err()
         {
-            let update = Frame::WindowUpdate {
-                connect_id: self.connect_id,
-                bytes,
-            };
-            if self.backend.send(update).await.is_err() {
-                return Err(RemoteEnd::AgentGone);
-            }
+            return Err(RemoteEnd::AgentGone);
         }
         let event = self.port.recv().await;
         if let Some(Event::Data(data)) = &event {

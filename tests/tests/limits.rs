@@ -152,6 +152,7 @@ async fn a_grpc_message_over_4_mib_ends_that_stream_only() {
     let huge = Frame::Data {
         connect_id: ConnectId::new(1).unwrap(),
         data: bytes::Bytes::from(vec![0u8; 5 * 1024 * 1024]),
+        offset: None,
     };
     let outcome = async {
         let mut answers = client

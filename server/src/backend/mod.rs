@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
-use konnectivity_mux::Route;
+use konnectivity_mux::{Extensions, Route};
 use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, DialTarget, Frame, Packet};
 use tokio::sync::mpsc;
 
@@ -34,8 +34,9 @@ pub struct Backend {
     pub identifiers: AgentIdentifiers,
     /// A control-plane agent: serves node dials only (see [`crate::policy`]).
     pub control_plane: bool,
-    /// The agent negotiated per-connection flow control ([`konnectivity_mux::flow`]).
-    pub flow_control: bool,
+    /// What the agent negotiated beyond upstream's protocol: flow control
+    /// ([`konnectivity_mux::flow`]), resume.
+    pub extensions: Extensions,
     /// Packets to the agent, in order; the gRPC response stream drains it.
     outbound: mpsc::Sender<Packet>,
     /// Requests to this stream's session task.
@@ -94,8 +95,8 @@ pub struct Announced {
     pub identifiers: AgentIdentifiers,
     /// Listed in `--control-plane-agent-ids` (and proven by its certificate).
     pub control_plane: bool,
-    /// It negotiated per-connection flow control.
-    pub flow_control: bool,
+    /// What it negotiated beyond upstream's protocol.
+    pub extensions: Extensions,
 }
 
 /// The receiving ends of a backend's two queues.
@@ -122,14 +123,14 @@ impl Backend {
             agent_id,
             identifiers,
             control_plane,
-            flow_control,
+            extensions,
         } = announced;
         let backend = Backend {
             id,
             agent_id,
             identifiers,
             control_plane,
-            flow_control,
+            extensions,
             outbound,
             commands: commands_tx,
             draining: AtomicBool::new(false),

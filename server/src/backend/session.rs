@@ -1,7 +1,7 @@
 //! One agent stream's session: the task that owns its pending dials and its
 //! connection table and routes every packet the agent sends.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -25,12 +25,11 @@ struct Session {
     backend: Arc<Backend>,
     metrics: Arc<ServerMetrics>,
     pending: HashMap<DialId, PendingDial>,
-    /// Each connection keeps its `established_connections` count.
-    connections: Connections<Event, Established>,
-    /// Connections we sent CLOSE_REQ for and whose CLOSE_RSP has not come:
+    /// Each connection keeps its `established_connections` count. Those we
+    /// sent CLOSE_REQ for stay marked closing until their CLOSE_RSP comes:
     /// DATA still in flight for them is dropped quietly instead of answered
     /// with another CLOSE_REQ.
-    closing: HashSet<ConnectId>,
+    connections: Connections<Event, Established>,
 }
 
 /// Serves one agent stream until it ends, then releases everything on it:
@@ -52,7 +51,6 @@ pub async fn run<S>(
         metrics,
         pending: HashMap::new(),
         connections: Connections::default(),
-        closing: HashSet::new(),
     };
     let reason = loop {
         // Commands first: a Dial command is always registered before the
@@ -127,8 +125,8 @@ impl Session {
                 Ok(())
             }
             Command::Close { connect_id } => {
-                if self.connections.remove(connect_id).is_some() {
-                    self.close_on_agent(connect_id).await?;
+                if self.connections.close(connect_id).is_some() {
+                    self.send(Frame::CloseRequest { connect_id }).await?;
                 }
                 Ok(())
             }
@@ -151,15 +149,28 @@ impl Session {
         };
         self.metrics.packet(Segment::FromAgent, frame.kind());
         match frame {
-            Frame::Data { connect_id, data } => self.on_data(connect_id, data).await?,
+            Frame::Data {
+                connect_id,
+                data,
+                offset,
+            } => self.on_data(connect_id, data, offset).await?,
             Frame::DialResponse { dial_id, result } => self.on_dial_response(dial_id, result).await?,
             Frame::CloseResponse { connect_id, error } => {
-                self.closing.remove(&connect_id);
+                self.connections.confirm(connect_id);
                 if let Some(connection) = self.connections.remove(connect_id) {
                     connection.route.send(Event::Closed(error));
                 }
             }
-            Frame::WindowUpdate { connect_id, bytes } => self.connections.grant(connect_id, bytes),
+            Frame::WindowUpdate {
+                connect_id,
+                bytes,
+                written,
+            } => {
+                if let Err((entry, error)) = self.connections.grant(connect_id, bytes, written) {
+                    self.violation(connect_id, entry, error.to_string(), PacketType::WindowUpdate)
+                        .await?;
+                }
+            }
             Frame::Drain => {
                 tracing::info!(agent_id = %self.backend.agent_id, "agent is draining");
                 self.backend.set_draining();
@@ -215,32 +226,52 @@ impl Session {
     /// Hands DATA to its connection's frontend. With flow control this never
     /// waits; with an upstream agent it waits for a full connection's
     /// frontend, as upstream's server does, shown by `full_receive_channels`.
-    async fn on_data(&mut self, connect_id: ConnectId, data: bytes::Bytes) -> Result<(), BackendGone> {
+    async fn on_data(
+        &mut self,
+        connect_id: ConnectId,
+        data: bytes::Bytes,
+        offset: Option<u64>,
+    ) -> Result<(), BackendGone> {
         let metrics = &self.metrics;
         let blocked = || GaugeGuard::new(&metrics.full_receive_channels("Connect"));
-        let failure = match self.connections.deliver(connect_id, data, blocked).await {
-            Delivery::Delivered => return Ok(()),
-            Delivery::Unknown if self.closing.contains(&connect_id) => return Ok(()),
-            Delivery::Unknown => return self.close_on_agent(connect_id).await,
-            Delivery::ConsumerGone => self.connections.remove(connect_id).map(|entry| (entry, None)),
-            Delivery::Overrun { entry, error } => {
-                tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, %error, "closing connection");
-                self.metrics.stream_errors.count(
-                    Segment::FromAgent,
-                    tonic::Code::ResourceExhausted,
-                    Some(PacketType::Data),
-                );
-                Some((entry, Some(error.to_string())))
+        match self.connections.deliver(connect_id, data, offset, blocked).await {
+            Delivery::Delivered | Delivery::Duplicate => Ok(()),
+            Delivery::Unknown if self.connections.is_closing(connect_id) => Ok(()),
+            Delivery::Unknown => self.close_on_agent(connect_id).await,
+            Delivery::ConsumerGone => {
+                if let Some(entry) = self.connections.close(connect_id) {
+                    entry.route.send(Event::Closed(None));
+                }
+                self.send(Frame::CloseRequest { connect_id }).await
             }
-        };
-        if let Some((entry, error)) = failure {
-            entry.route.send(Event::Closed(error));
+            Delivery::Violation { entry, error } => {
+                self.violation(connect_id, entry, error.to_string(), PacketType::Data)
+                    .await
+            }
         }
+    }
+
+    /// The agent broke the protocol on one connection (more than its
+    /// window, bytes out of order): that connection ends, the stream and
+    /// its other connections carry on.
+    async fn violation(
+        &mut self,
+        connect_id: ConnectId,
+        entry: konnectivity_mux::Entry<Event, Established>,
+        error: String,
+        kind: PacketType,
+    ) -> Result<(), BackendGone> {
+        tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, %error, "closing connection");
+        self.metrics
+            .stream_errors
+            .count(Segment::FromAgent, tonic::Code::ResourceExhausted, Some(kind));
+        entry.route.send(Event::Closed(Some(error)));
         self.close_on_agent(connect_id).await
     }
 
+    /// Tells the agent to close a connection this side no longer has.
     async fn close_on_agent(&mut self, connect_id: ConnectId) -> Result<(), BackendGone> {
-        self.closing.insert(connect_id);
+        self.connections.closing_without_entry(connect_id);
         self.send(Frame::CloseRequest { connect_id }).await
     }
 
@@ -285,7 +316,7 @@ mod tests {
             metrics.clone(),
         ));
 
-        let (route, mut frontend, _) = konnectivity_mux::connection(false);
+        let (route, mut frontend, _) = konnectivity_mux::connection(konnectivity_mux::Extensions::Upstream);
         let dial_id = DialId::new(7);
         backend
             .command(Command::Dial {
@@ -311,6 +342,7 @@ mod tests {
             let data = Frame::Data {
                 connect_id,
                 data: chunk.clone(),
+                offset: None,
             };
             from_agent.send(Ok(data.into())).await.unwrap();
         }

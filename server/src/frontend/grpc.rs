@@ -259,10 +259,11 @@ impl ClientStream {
         let tunnel = life.span();
         let inbound = &mut self.inbound;
         let outbound = &self.outbound;
-        let to_agent = async {
-            loop {
-                match inbound.next_frame().await {
-                    Some(Frame::Data { connect_id: id, data }) if id == connect_id => {
+        let to_agent =
+            async {
+                loop {
+                    match inbound.next_frame().await {
+                    Some(Frame::Data { connect_id: id, data, .. }) if id == connect_id => {
                         if sender.send(data).await.is_err() {
                             // Gone on the agent's side: the other direction
                             // learns how and answers the client.
@@ -290,14 +291,22 @@ impl ClientStream {
                     }
                     None => return (RelayEnd::ClientGone, TunnelEnd::ClientClosed),
                 }
-            }
-        };
+                }
+            };
         let to_client = async {
             loop {
                 match receiver.recv().await {
                     Ok(data) => {
                         let started = Instant::now();
-                        if outbound.send(Frame::Data { connect_id, data }).await.is_err() {
+                        if outbound
+                            .send(Frame::Data {
+                                connect_id,
+                                data,
+                                offset: None,
+                            })
+                            .await
+                            .is_err()
+                        {
                             return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
                         }
                         metrics
