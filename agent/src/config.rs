@@ -140,6 +140,12 @@ pub struct Args {
     /// How long a dial to an endpoint may take (upstream fixes it at 5s).
     #[arg(long, value_parser = parse_duration, default_value = "5s", help_heading = "konnectivity-rs additions")]
     pub dial_timeout: Duration,
+    /// How long the connections of a lost server stream wait for a new stream to the
+    /// same server to resume them (konnectivity-rs servers, which negotiate it;
+    /// docs/resume.md). The agent dials that server again at once, then with its
+    /// backoff. 0 closes them at once, as upstream does.
+    #[arg(long, value_parser = parse_duration, default_value = "1m0s", help_heading = "konnectivity-rs additions")]
+    pub resume_timeout: Duration,
 
     /// Capture connections to VIP:PORT and tunnel them to TARGET:PORT through the
     /// server's node frontend (repeatable), e.g. 10.96.0.1:443=10.222.1.10:6443.
@@ -292,6 +298,8 @@ pub struct Config {
     pub sync_interval_cap: Duration,
     /// `--probe-interval`.
     pub probe_interval: Duration,
+    /// `--resume-timeout`; zero: resume is not offered.
+    pub resume_timeout: Duration,
     /// `--max-endpoint-connections` (0: none).
     pub max_endpoint_connections: usize,
     /// `--sync-forever`.
@@ -480,6 +488,7 @@ impl Config {
             sync_interval: args.sync_interval,
             sync_interval_cap: args.sync_interval_cap,
             probe_interval: args.probe_interval,
+            resume_timeout: args.resume_timeout,
             max_endpoint_connections: args.max_endpoint_connections,
             sync_forever: args.sync_forever,
             health_addr: SocketAddr::new(health_ip, args.health_server_port),

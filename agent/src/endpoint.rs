@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
-use konnectivity_proto::{ConnectId, DATA_CHUNK, DialTarget, Packet, TargetError};
+use konnectivity_mux::outbound::Outbound;
+use konnectivity_proto::{ConnectId, DATA_CHUNK, DialTarget, TargetError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -99,7 +100,7 @@ pub(crate) struct EndpointClosed {
 pub(crate) struct StreamHandle {
     pub connect_id: ConnectId,
     /// Packets to the server.
-    pub outbound: mpsc::Sender<Packet>,
+    pub outbound: Outbound,
     /// Where the end of the connection is reported.
     pub closed: mpsc::Sender<EndpointClosed>,
     pub bytes: Arc<TunnelBytes>,

@@ -24,7 +24,7 @@ pub mod hooks {
 
     /// A server stream's session.
     pub mod session {
-        pub use crate::session::run;
+        pub use crate::session::{Attached, StreamEnd, run};
     }
 }
 
@@ -75,11 +75,77 @@ pub enum Ended {
 /// `--drain-timeout` has passed.
 pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, AgentError> {
     let (drain, watcher) = konnectivity_plumbing::lifecycle::channel();
+    let (stop, stopping) = konnectivity_plumbing::lifecycle::channel();
     let metrics = Arc::new(AgentMetrics::default());
     let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
     let drain_timeout = config.node.as_ref().map(|node| node.drain_timeout);
-    let agent = serve(config, watcher, metrics.clone(), node_readiness.clone());
+    let agent = serve(
+        config,
+        watcher,
+        Some(stopping),
+        metrics.clone(),
+        node_readiness.clone(),
+    );
     tokio::pin!(agent);
+    let mut agent = Running {
+        future: agent,
+        done: false,
+    };
+    let outcome = until_told(
+        &mut agent,
+        signals,
+        &drain,
+        &node_readiness,
+        &metrics,
+        drain_timeout,
+    )
+    .await;
+    // Leaving: every server stream ends cleanly, so that servers know its
+    // connections will not resume (docs/resume.md); briefly, at most 1 s.
+    stop.signal();
+    if !agent.done {
+        let streams_closed = async {
+            while metrics.open_server_connections.get() > 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            tokio::select! {
+                _ = agent.future.as_mut() => {}
+                () = streams_closed => {}
+            }
+        })
+        .await;
+    }
+    outcome
+}
+
+/// The agent's work, and whether it has returned (it must not be polled again).
+struct Running<F> {
+    future: std::pin::Pin<F>,
+    done: bool,
+}
+
+impl<F: std::ops::DerefMut<Target = T>, T: std::future::Future<Output = Result<(), AgentError>>> Running<F> {
+    async fn finished(&mut self) -> Result<(), AgentError> {
+        let result = self.future.as_mut().await;
+        self.done = true;
+        result
+    }
+}
+
+/// Runs until the signals, a hand-over or the agent's end say to stop.
+async fn until_told<
+    F: std::ops::DerefMut<Target = T>,
+    T: std::future::Future<Output = Result<(), AgentError>>,
+>(
+    agent: &mut Running<F>,
+    signals: &mut Terminations,
+    drain: &konnectivity_plumbing::lifecycle::Trigger,
+    node_readiness: &Option<Arc<NodeReadiness>>,
+    metrics: &AgentMetrics,
+    drain_timeout: Option<Duration>,
+) -> Result<Ended, AgentError> {
     let handed_over = async {
         match &node_readiness {
             Some(readiness) => readiness.handed_over().await,
@@ -89,7 +155,7 @@ pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, Ag
     tokio::pin!(handed_over);
     let mut signaled = false;
     tokio::select! {
-        result = &mut agent => return result.map(|()| Ended::Stopped),
+        result = agent.finished() => return result.map(|()| Ended::Stopped),
         signal = signals.next() => {
             tracing::info!(signal, "draining; send the signal again to exit");
             drain.signal();
@@ -102,7 +168,7 @@ pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, Ag
     }
     if signaled {
         tokio::select! {
-            result = &mut agent => return result.map(|()| Ended::Stopped),
+            result = agent.finished() => return result.map(|()| Ended::Stopped),
             signal = signals.next() => {
                 tracing::info!(signal, "exiting");
                 return Ok(Ended::Stopped);
@@ -111,14 +177,14 @@ pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, Ag
         }
     } else {
         tokio::select! {
-            result = &mut agent => return result.map(|()| Ended::HandedOver),
+            result = agent.finished() => return result.map(|()| Ended::HandedOver),
             signal = signals.next() => tracing::info!(signal, "exiting once the open connections end"),
         }
     }
     let limit = drain_timeout.unwrap_or_default();
     tokio::select! {
-        result = &mut agent => result.map(|()| Ended::HandedOver),
-        quiet = connections_done(&metrics, limit) => {
+        result = agent.finished() => result.map(|()| Ended::HandedOver),
+        quiet = connections_done(metrics, limit) => {
             if quiet {
                 tracing::info!("open connections done; exiting");
             } else {
@@ -140,7 +206,7 @@ pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, Ag
 pub async fn run_with_drain(config: Config, drain: Watcher) -> Result<(), AgentError> {
     let metrics = Arc::new(AgentMetrics::default());
     let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
-    serve(config, drain, metrics, node_readiness).await
+    serve(config, drain, None, metrics, node_readiness).await
 }
 
 /// Waits until no captured or endpoint connection is open, at most `limit`;
@@ -163,6 +229,7 @@ async fn connections_done(metrics: &AgentMetrics, limit: Duration) -> bool {
 async fn serve(
     config: Config,
     drain: Watcher,
+    stopping: Option<Watcher>,
     metrics: Arc<AgentMetrics>,
     node_readiness: Option<Arc<NodeReadiness>>,
 ) -> Result<(), AgentError> {
@@ -213,6 +280,7 @@ async fn serve(
         keepalive: config.keepalive,
         token_path: config.token_path.clone(),
         resolved: None,
+        resume: !config.resume_timeout.is_zero(),
     };
     let settings = SessionSettings {
         dial_timeout: config.dial_timeout,
@@ -221,6 +289,8 @@ async fn serve(
             config.max_endpoint_connections,
         ),
         mark: config.node.as_ref().map(|node| node.mark),
+        resume_timeout: config.resume_timeout,
+        stopping,
     };
     // The one start-up line at -v=0 (the flags follow at -v=1).
     tracing::info!(

@@ -7,8 +7,8 @@ use konnectivity_node::metrics::NodeMetrics;
 use konnectivity_proto::PacketType;
 pub(crate) use konnectivity_telemetry::metrics::Segment;
 use konnectivity_telemetry::metrics::{
-    ApiHistograms, ApiLabels, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, StreamErrors, TunnelsEnded,
-    binary_registry, register,
+    ApiHistograms, ApiLabels, GoCounter, LATENCY_BUCKETS, Labels, PacketCounters, Resumes, StreamErrors,
+    TunnelsEnded, binary_registry, register,
 };
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -52,6 +52,8 @@ pub struct AgentMetrics {
     server_failures: Family<Labels, GoCounter>,
     /// `tunnels_ended_total{reason}`.
     pub tunnels_ended: TunnelsEnded,
+    /// Ours: connections resumed on a new server stream (docs/resume.md).
+    pub resumes: Resumes,
     packets: PacketCounters,
     pub stream_errors: StreamErrors,
     /// `--count-server-leases`: the lease list and watch calls by outcome.
@@ -84,6 +86,7 @@ impl Default for AgentMetrics {
             dial_failures: Family::default(),
             server_failures: Family::default(),
             tunnels_ended: TunnelsEnded::default(),
+            resumes: Resumes::default(),
             packets: PacketCounters::default(),
             stream_errors: StreamErrors::default(),
             lease_lists: Family::default(),
@@ -150,6 +153,7 @@ impl Default for AgentMetrics {
             metrics.stream_errors = StreamErrors::register(registry);
             // Ours.
             metrics.tunnels_ended = TunnelsEnded::register(registry);
+            metrics.resumes = Resumes::register(registry);
             metrics.node = Arc::new(NodeMetrics::register(registry));
             register(
                 registry,

@@ -9,13 +9,16 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use hyper_util::rt::TokioIo;
+use konnectivity_mux::outbound::Writer;
 use konnectivity_mux::{Extensions, flow};
-use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
+use konnectivity_proto::metadata::{
+    AGENT_ID, AGENT_IDENTIFIERS, AGENT_INSTANCE, PROBE, RESUME, RESUME_TOKEN, RESUMED, SERVER_COUNT,
+    SERVER_ID,
+};
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
 use konnectivity_proto::{AgentIdentifiers, Packet, PacketType};
-use tokio::sync::mpsc;
+use tokio::sync::oneshot;
 use tokio_rustls::TlsConnector;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 
 use crate::metrics::{AgentMetrics, Segment};
@@ -30,8 +33,6 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long to wait for the server's response headers. Upstream agents wait
 /// forever; a server that accepts but never answers must not wedge us.
 const HEADERS_TIMEOUT: Duration = Duration::from_secs(10);
-/// Packets queued towards the server on one stream.
-const OUTBOUND_QUEUE: usize = 256;
 /// How long a probed server may take to answer before its connection is
 /// given up. Generous: a busy server answers in milliseconds, and a false
 /// alarm costs every tunnel on the connection.
@@ -46,6 +47,12 @@ pub(crate) enum ConnectError {
     },
     #[error("proxy-server {address} refused the agent stream: {status}")]
     Refused { address: String, status: tonic::Status },
+    #[error("proxy-server {address} ({server_id}) refused to resume the agent's lost stream: {}", status.message())]
+    ResumeRefused {
+        address: String,
+        server_id: String,
+        status: tonic::Status,
+    },
     #[error("proxy-server {address} sent no response headers within {limit:?}")]
     HeadersTimeout { address: String, limit: Duration },
     #[error("proxy-server {address} sent bad {key:?} metadata: {problem}")]
@@ -77,6 +84,8 @@ pub(crate) struct ServerTarget {
     pub keepalive: Option<Duration>,
     /// `--service-account-token-path`, read afresh for every stream.
     pub token_path: Option<PathBuf>,
+    /// `--resume-timeout` is not zero: offer resume (docs/resume.md).
+    pub resume: bool,
     /// The one address of `host` to dial, when the agent dials each of a
     /// name's addresses (`--dial-every-address`); the certificate is still
     /// checked against `host`.
@@ -88,12 +97,43 @@ pub(crate) struct ServerStream {
     pub server_id: String,
     pub server_count: u32,
     pub inbound: Streaming<Packet>,
-    pub outbound: mpsc::Sender<Packet>,
+    /// Takes the writer whose packets the stream sends (its session's).
+    pub body: oneshot::Sender<Writer>,
     /// What the server agreed to beyond upstream's protocol: with flow
     /// control ([`flow`]) it is one of ours, which also answers probes.
     pub extensions: Extensions,
+    /// With resume: the token that resumes this stream's session, when it
+    /// is a new one.
+    pub resume_token: Option<String>,
+    /// The stream resumed the session of a token the agent offered.
+    pub resumed: bool,
     /// The connection the stream runs on, for probes.
     pub channel: Channel,
+}
+
+/// This process's random id, sent with every resumable stream: a server
+/// that holds lost streams of ours under another id knows they belonged to
+/// a process that is gone.
+fn instance_id() -> &'static str {
+    static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    INSTANCE.get_or_init(|| uuid::Uuid::new_v4().to_string())
+}
+
+/// A stream's request body: the packets of the writer its session hands
+/// over once it has the stream (a new session, or one resuming).
+fn deferred_body(
+    metrics: Arc<AgentMetrics>,
+) -> (oneshot::Sender<Writer>, impl futures_util::Stream<Item = Packet>) {
+    let (body, writer) = oneshot::channel();
+    let packets = futures_util::stream::once(writer)
+        .filter_map(|writer| std::future::ready(writer.ok()))
+        .flatten()
+        .inspect(move |packet: &Packet| {
+            if let Ok(kind) = PacketType::try_from(packet.r#type) {
+                metrics.packet(Segment::FromAgent, kind);
+            }
+        });
+    (body, packets)
 }
 
 /// What a probe learned: the connection answers, and the server's count now.
@@ -126,27 +166,67 @@ impl ServerTarget {
         }
     }
 
-    /// Opens a stream on a new connection; `metrics` counts the packets the
-    /// agent sends on it.
-    pub(crate) async fn connect(&self, metrics: &Arc<AgentMetrics>) -> Result<ServerStream, ConnectError> {
+    /// Opens a stream on a new connection, offering the `resume_tokens` of
+    /// lost streams; `metrics` counts the packets the agent sends on it.
+    pub(crate) async fn connect(
+        &self,
+        metrics: &Arc<AgentMetrics>,
+        resume_tokens: &[String],
+    ) -> Result<ServerStream, ConnectError> {
         // Before dialing: without a token the server would refuse us anyway.
-        let metadata = self.metadata(false).await?;
-        let channel = self.dial().await?;
-        let (outbound, outbound_rx) = mpsc::channel(OUTBOUND_QUEUE);
-        let sent = metrics.clone();
-        let packets = ReceiverStream::new(outbound_rx).inspect(move |packet: &Packet| {
-            if let Ok(kind) = PacketType::try_from(packet.r#type) {
-                sent.packet(Segment::FromAgent, kind);
+        let mut metadata = self.metadata(false).await?;
+        if self.resume {
+            metadata.insert(RESUME, AsciiMetadataValue::from_static("1"));
+            if let Ok(instance) = AsciiMetadataValue::try_from(instance_id()) {
+                metadata.insert(AGENT_INSTANCE, instance);
             }
-        });
-        let response = self.call(&channel, metadata, packets, HEADERS_TIMEOUT).await?;
+            for token in resume_tokens {
+                if let Ok(value) = AsciiMetadataValue::try_from(token.as_str()) {
+                    metadata.append(RESUME_TOKEN, value);
+                }
+            }
+        }
+        let channel = self.dial().await?;
+        let (body, packets) = deferred_body(metrics.clone());
+        let response = match self.call(&channel, metadata, packets, HEADERS_TIMEOUT).await {
+            Err(ConnectError::Refused { address, status })
+                if status.message().starts_with("resume refused") =>
+            {
+                let server_id = status
+                    .metadata()
+                    .get(SERVER_ID)
+                    .and_then(|value| value.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                return Err(ConnectError::ResumeRefused {
+                    address,
+                    server_id,
+                    status,
+                });
+            }
+            other => other?,
+        };
         let headers = self.headers(response.metadata())?;
+        let metadata = response.metadata();
+        let resume_offered = self.resume && metadata.get(RESUME).is_some_and(|value| value == "1");
+        let extensions = match headers.extensions {
+            Extensions::FlowControl if resume_offered => Extensions::Resume,
+            other => other,
+        };
+        let resume_token = metadata
+            .get(RESUME_TOKEN)
+            .filter(|_| resume_offered)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        let resumed = resume_offered && metadata.get(RESUMED).is_some_and(|value| value == "1");
         Ok(ServerStream {
             server_id: headers.server_id,
             server_count: headers.server_count,
-            extensions: headers.extensions,
+            extensions,
+            resume_token,
+            resumed,
             inbound: response.into_inner(),
-            outbound,
+            body,
             channel,
         })
     }

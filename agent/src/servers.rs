@@ -18,7 +18,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use konnectivity_plumbing::lifecycle::Watcher;
-use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
@@ -87,8 +86,11 @@ enum StreamKey {
 
 /// What the tasks of held connections report to the loop.
 enum Report {
-    /// The stream to this server ended.
+    /// The stream to this server ended, and its session with it.
     Ended(StreamKey),
+    /// The stream to this server was lost; its session waits for a stream
+    /// that resumes it (docs/resume.md).
+    Lost(StreamKey),
     /// A probe of a held server answered with this count.
     ServerCount(u32),
 }
@@ -106,12 +108,27 @@ pub(crate) async fn serve(
 ) {
     let (report_tx, mut reports) = mpsc::unbounded_channel::<Report>();
     let mut held: HashMap<String, SessionTask> = HashMap::new();
+    // Sessions whose stream was lost, by server: dialed for at once and
+    // until a stream reaches that server again (behind a load balancer, as
+    // many dials as it takes) or the session gives up.
+    let mut parked: HashMap<String, SessionTask> = HashMap::new();
     // Until a server says otherwise there is one.
     let mut announced: u32 = 1;
-    let apply = |report: Report, held: &mut HashMap<String, SessionTask>, announced: &mut u32| match report {
+    let apply = |report: Report,
+                 held: &mut HashMap<String, SessionTask>,
+                 parked: &mut HashMap<String, SessionTask>,
+                 announced: &mut u32| match report {
         Report::Ended(key) => {
             if let StreamKey::Server(server_id) = key {
                 held.remove(&server_id);
+                parked.remove(&server_id);
+            }
+        }
+        Report::Lost(key) => {
+            if let StreamKey::Server(server_id) = key
+                && let Some(task) = held.remove(&server_id)
+            {
+                parked.insert(server_id, task);
             }
         }
         Report::ServerCount(count) => {
@@ -124,14 +141,22 @@ pub(crate) async fn serve(
     let mut wanted = 0;
     loop {
         while let Ok(report) = reports.try_recv() {
-            apply(report, &mut held, &mut announced);
+            apply(report, &mut held, &mut parked, &mut announced);
         }
         let now_wanted = count_source.wanted(announced);
         if now_wanted != wanted {
             wanted = now_wanted;
             metrics.known_server_count.set(wanted as i64);
         }
-        if held.len() >= wanted {
+        if held.len() >= wanted && !parked.is_empty() {
+            // As many servers as there are are held, none of them the lost
+            // stream's: that server is gone (replaced by a restart, say),
+            // and its connections with it.
+            for (server_id, _) in parked.drain() {
+                tracing::info!(%server_id, held = held.len(), "the lost stream's server is not among the servers now held; its connections close");
+            }
+        }
+        if held.len() >= wanted && parked.is_empty() {
             // Converged: nothing to dial until a stream ends, the count
             // grows, or (with --sync-forever) it is time to look around.
             let rediscover = async {
@@ -143,7 +168,7 @@ pub(crate) async fn serve(
             };
             tokio::select! {
                 Some(report) = reports.recv() => {
-                    apply(report, &mut held, &mut announced);
+                    apply(report, &mut held, &mut parked, &mut announced);
                     backoff.reset();
                     continue;
                 }
@@ -154,11 +179,25 @@ pub(crate) async fn serve(
                 () = rediscover => {}
             }
         }
-        match target.connect(&metrics).await {
+        let tokens: Vec<String> = parked.values().filter_map(SessionTask::resume_token).collect();
+        match target.connect(&metrics, &tokens).await {
             Ok(stream) => {
                 announced = stream.server_count;
                 wanted = count_source.wanted(announced);
                 metrics.known_server_count.set(wanted as i64);
+                let stream = match parked.remove(&stream.server_id) {
+                    Some(task) => match task.resume(stream, &target, sync.probe_interval, &report_tx) {
+                        Ok(task) => {
+                            held.insert(task.server_id.clone(), task);
+                            backoff.reset();
+                            continue;
+                        }
+                        // Not resumed (this server no longer resumes): the
+                        // lost stream's session ends; this one is new.
+                        Err(stream) => *stream,
+                    },
+                    None => stream,
+                };
                 if held.contains_key(&stream.server_id) {
                     tracing::debug!(server_id = %stream.server_id, "already connected to this server; closing the duplicate");
                 } else {
@@ -182,10 +221,18 @@ pub(crate) async fn serve(
                     );
                     held.insert(server_id, task);
                     backoff.reset();
-                    if held.len() >= wanted {
+                    if held.len() >= wanted && parked.is_empty() {
                         continue;
                     }
                 }
+            }
+            Err(ConnectError::ResumeRefused { server_id, .. }) if parked.contains_key(&server_id) => {
+                // The server has no session for it any more (its resume
+                // timeout ran out, or it restarted): give the lost stream
+                // up and connect afresh at once.
+                tracing::warn!(%server_id, "proxy-server refused to resume the lost stream; its connections close");
+                parked.remove(&server_id);
+                continue;
             }
             Err(error) => log_connect_failure(&target, &error),
         }
@@ -228,12 +275,20 @@ struct Slot {
 
 enum SlotState {
     Idle,
-    Dialing,
+    /// A dial is out; with the session of the lost stream it should
+    /// resume, if any.
+    Dialing(Option<SessionTask>),
     /// Holding a stream to this server (dropping the task ends it).
-    Held {
-        _task: SessionTask,
-        server_id: String,
-    },
+    Held(SessionTask),
+    /// The stream was lost; its session waits for a stream that resumes it.
+    Parked(SessionTask),
+}
+
+impl SlotState {
+    /// Nothing is held or dialed for the slot now: it may be dialed.
+    fn waiting(&self) -> bool {
+        matches!(self, SlotState::Idle | SlotState::Parked(_))
+    }
 }
 
 /// Holds one stream to every address of `hosts` (`--proxy-server-host` with
@@ -288,8 +343,13 @@ pub(crate) async fn serve_each(
             next_lookup = now + sync.rediscover_every;
         }
         for (addr, slot) in slots.iter_mut() {
-            if matches!(slot.state, SlotState::Idle) && slot.retry_at <= now {
-                slot.state = SlotState::Dialing;
+            if slot.state.waiting() && slot.retry_at <= now {
+                let parked = match std::mem::replace(&mut slot.state, SlotState::Idle) {
+                    SlotState::Parked(task) => Some(task),
+                    _ => None,
+                };
+                let tokens: Vec<String> = parked.iter().filter_map(SessionTask::resume_token).collect();
+                slot.state = SlotState::Dialing(parked);
                 let dial = ServerTarget {
                     host: slot.host.clone(),
                     ..target.clone()
@@ -297,27 +357,67 @@ pub(crate) async fn serve_each(
                 .at(*addr);
                 let (addr, attempts, metrics) = (*addr, attempt_tx.clone(), metrics.clone());
                 tokio::spawn(async move {
-                    let _ = attempts.send((addr, dial.connect(&metrics).await));
+                    let _ = attempts.send((addr, dial.connect(&metrics, &tokens).await));
                 });
             }
         }
         let wake_at = slots
             .values()
-            .filter(|slot| matches!(slot.state, SlotState::Idle))
+            .filter(|slot| slot.state.waiting())
             .map(|slot| slot.retry_at)
             .fold(next_lookup, Instant::min);
         tokio::select! {
-            Some(report) = reports.recv() => {
-                if let Report::Ended(StreamKey::Address(addr)) = report
-                    && let Some(slot) = slots.get_mut(&addr)
-                {
-                    slot.state = SlotState::Idle;
-                    slot.retry_at = Instant::now() + slot.backoff.next_delay();
+            Some(report) = reports.recv() => match report {
+                Report::Ended(StreamKey::Address(addr)) => {
+                    if let Some(slot) = slots.get_mut(&addr)
+                        && matches!(slot.state, SlotState::Held(_) | SlotState::Parked(_))
+                    {
+                        slot.state = SlotState::Idle;
+                        slot.retry_at = Instant::now() + slot.backoff.next_delay();
+                    }
                 }
-            }
+                Report::Lost(StreamKey::Address(addr)) => {
+                    if let Some(slot) = slots.get_mut(&addr)
+                        && let SlotState::Held(task) = std::mem::replace(&mut slot.state, SlotState::Idle)
+                    {
+                        // Dialed again at once.
+                        slot.state = SlotState::Parked(task);
+                        slot.retry_at = Instant::now();
+                        slot.backoff.reset();
+                    }
+                }
+                _ => {}
+            },
             Some((addr, result)) = attempts.recv() => {
                 let held_elsewhere = slots_ids(&slots, addr);
                 let Some(slot) = slots.get_mut(&addr) else { continue };
+                let parked = match std::mem::replace(&mut slot.state, SlotState::Idle) {
+                    SlotState::Dialing(parked) => parked,
+                    _ => None,
+                };
+                let dial = ServerTarget { host: slot.host.clone(), ..target.clone() }.at(addr);
+                let result = match (parked, result) {
+                    (Some(task), Ok(stream)) => match task.resume(stream, &dial, sync.probe_interval, &report_tx) {
+                        Ok(task) => {
+                            slot.state = SlotState::Held(task);
+                            slot.backoff.reset();
+                            continue;
+                        }
+                        Err(stream) => Ok(*stream),
+                    },
+                    (Some(_), Err(ConnectError::ResumeRefused { server_id, .. })) => {
+                        tracing::warn!(%addr, %server_id, "proxy-server refused to resume the lost stream; its connections close");
+                        slot.retry_at = Instant::now();
+                        continue;
+                    }
+                    (Some(task), Err(error)) => {
+                        log_connect_failure(&dial, &error);
+                        slot.state = SlotState::Parked(task);
+                        slot.retry_at = Instant::now() + slot.backoff.next_delay();
+                        continue;
+                    }
+                    (None, result) => result,
+                };
                 match result {
                     Ok(stream) => {
                         let duplicate = held_elsewhere.contains(&stream.server_id);
@@ -334,8 +434,6 @@ pub(crate) async fn serve_each(
                                 flow_control = stream.extensions.flow_control(),
                                 "connected to proxy-server"
                             );
-                            let server_id = stream.server_id.clone();
-                            let dial = ServerTarget { host: slot.host.clone(), ..target.clone() }.at(addr);
                             let task = start_session(
                                 stream,
                                 &dial,
@@ -346,12 +444,11 @@ pub(crate) async fn serve_each(
                                 &drain,
                                 &report_tx,
                             );
-                            slot.state = SlotState::Held { _task: task, server_id };
+                            slot.state = SlotState::Held(task);
                             slot.backoff.reset();
                         }
                     }
                     Err(error) => {
-                        let dial = ServerTarget { host: slot.host.clone(), ..target.clone() }.at(addr);
                         log_connect_failure(&dial, &error);
                         slot.state = SlotState::Idle;
                         slot.retry_at = Instant::now() + slot.backoff.next_delay();
@@ -369,7 +466,7 @@ fn slots_ids(slots: &BTreeMap<SocketAddr, Slot>, except: SocketAddr) -> HashSet<
         .iter()
         .filter(|(addr, _)| **addr != except)
         .filter_map(|(_, slot)| match &slot.state {
-            SlotState::Held { server_id, .. } => Some(server_id.clone()),
+            SlotState::Held(task) => Some(task.server_id.clone()),
             _ => None,
         })
         .collect()
@@ -389,7 +486,8 @@ async fn look_up(hosts: &[crate::config::ServerAddress]) -> Vec<(SocketAddr, Str
 }
 
 /// Serves `stream` in a task of its own, probing the server when it is one
-/// of ours; reports `key` as ended when the stream ends.
+/// of ours; reports `key` as lost when the stream is lost and its session
+/// waits for a resume, and as ended when the session ends.
 #[allow(clippy::too_many_arguments)]
 fn start_session(
     stream: ServerStream,
@@ -401,31 +499,36 @@ fn start_session(
     drain: &Watcher,
     reports: &mpsc::UnboundedSender<Report>,
 ) -> SessionTask {
-    let probe = stream.extensions.flow_control().then(|| Probe {
-        target: target.clone(),
-        channel: stream.channel.clone(),
-        every: probe_interval,
+    let extensions = stream.extensions;
+    let server_id = stream.server_id.clone();
+    let (attach, attachments) = mpsc::channel(1);
+    let resume_token = stream.resume_token.clone().filter(|_| extensions.resume());
+    let resume = resume_token.as_ref().map(|_| {
+        let (reports, key) = (reports.clone(), key.clone());
+        session::Resume {
+            timeout: settings.resume_timeout,
+            attachments,
+            on_lost: Box::new(move || {
+                let _ = reports.send(Report::Lost(key.clone()));
+            }),
+        }
     });
+    let attached = attached(stream, target, probe_interval, reports);
     let run = session::run(
-        stream.inbound,
-        stream.outbound,
-        stream.extensions,
+        attached,
+        extensions,
         settings.clone(),
         metrics.clone(),
         drain.clone(),
+        resume,
     );
-    let open = GaugeGuard::new(&metrics.open_server_connections);
     let reports = reports.clone();
     // The server's id on every line the session logs, so that its tunnels
     // line up with that server's logs.
-    let span = tracing::info_span!("server stream", server_id = %stream.server_id);
-    SessionTask(tokio::spawn(tracing::Instrument::instrument(
+    let span = tracing::info_span!("server stream", server_id = %server_id);
+    let task = tokio::spawn(tracing::Instrument::instrument(
         async move {
-            let _open = open;
-            let reason = tokio::select! {
-                reason = run => reason,
-                failure = watch_server(probe, &reports) => failure,
-            };
+            let reason = run.await;
             match &reason {
                 StreamEnd::ServerWentAway(_) => {
                     tracing::info!(%reason, "proxy-server stream ended; reconnecting")
@@ -433,11 +536,39 @@ fn start_session(
                 StreamEnd::Failed(_) => {
                     tracing::warn!(%reason, "lost proxy-server stream")
                 }
+                StreamEnd::Stopping => tracing::info!(%reason, "proxy-server stream ended"),
             }
             let _ = reports.send(Report::Ended(key));
         },
         span,
-    )))
+    ));
+    SessionTask {
+        task,
+        server_id,
+        resume: resume_token.map(|token| (token, attach)),
+    }
+}
+
+/// What a session serves of `stream`: its packets, its body, and the probes
+/// of its connection (for servers that are ours), which tell when the stream
+/// is lost while its packets have merely stopped.
+fn attached(
+    stream: ServerStream,
+    target: &ServerTarget,
+    probe_interval: Duration,
+    reports: &mpsc::UnboundedSender<Report>,
+) -> session::Attached {
+    let probe = stream.extensions.flow_control().then(|| Probe {
+        target: target.clone(),
+        channel: stream.channel.clone(),
+        every: probe_interval,
+    });
+    let reports = reports.clone();
+    session::Attached {
+        inbound: Box::pin(stream.inbound),
+        body: stream.body,
+        lost: Box::pin(async move { watch_server(probe, &reports).await }),
+    }
 }
 
 /// How to probe one held connection.
@@ -471,12 +602,44 @@ async fn watch_server(probe: Option<Probe>, reports: &mpsc::UnboundedSender<Repo
     }
 }
 
-/// A session's task; dropping it (the agent stopping) ends the session.
-struct SessionTask(JoinHandle<()>);
+/// A session's task; dropping it (the agent stopping, or giving up a lost
+/// stream) ends the session.
+struct SessionTask {
+    task: JoinHandle<()>,
+    server_id: String,
+    /// With resume: the token that resumes the session, and where a stream
+    /// that resumes it goes.
+    resume: Option<(String, mpsc::Sender<session::Attached>)>,
+}
+
+impl SessionTask {
+    fn resume_token(&self) -> Option<String> {
+        self.resume.as_ref().map(|(token, _)| token.clone())
+    }
+
+    /// Hands `stream` to this lost session, if the server resumed it on
+    /// that stream; otherwise the session ends and the stream is handed back.
+    fn resume(
+        self,
+        stream: ServerStream,
+        target: &ServerTarget,
+        probe_interval: Duration,
+        reports: &mpsc::UnboundedSender<Report>,
+    ) -> Result<SessionTask, Box<ServerStream>> {
+        let Some((_, attach)) = self.resume.as_ref().filter(|_| stream.resumed) else {
+            return Err(Box::new(stream));
+        };
+        tracing::info!(server_id = %stream.server_id, "reached the server of the lost stream again; resuming it");
+        // If the session ended meanwhile, the stream ends with the attempt
+        // and the server finds that out.
+        let _ = attach.try_send(attached(stream, target, probe_interval, reports));
+        Ok(self)
+    }
+}
 
 impl Drop for SessionTask {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
     }
 }
 

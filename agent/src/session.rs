@@ -1,18 +1,26 @@
 //! One server stream's session: serves the server's DIAL_REQ, DATA,
 //! CLOSE_REQ and DIAL_CLS, owning the stream's connection table.
+//!
+//! With resume (docs/resume.md) the session outlives its stream: when the
+//! stream is lost, its endpoints keep running for `--resume-timeout` while
+//! the agent dials the same server again, and the new stream takes over
+//! after both sides have said what they hold.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use konnectivity_mux::outbound::{Ahead, Outbound, Writer};
 use konnectivity_mux::{Connections, Delivery, Extensions};
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::limit::{Limit, Slot};
-use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet, PacketType};
+use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet, PacketType, ResumeEntry};
 use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tracing::Instrument;
 
@@ -86,6 +94,12 @@ pub struct SessionSettings {
     /// SO_MARK for endpoint dials when the node role's capture rules are
     /// installed, so the agent's own dials are never captured.
     pub mark: Option<u32>,
+    /// `--resume-timeout`: how long a lost stream's connections wait for
+    /// a stream that resumes them.
+    pub resume_timeout: Duration,
+    /// Signalled when the agent exits: the session ends its stream cleanly,
+    /// so the server does not wait for a resume.
+    pub stopping: Option<Watcher>,
 }
 
 /// What the session keeps with each endpoint connection in its table.
@@ -116,7 +130,8 @@ struct Dialed {
 struct Session {
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
-    outbound: mpsc::Sender<Packet>,
+    /// Packets to the server: the attached stream's writer drains it.
+    outbound: Outbound,
     /// What the server agreed to beyond upstream's protocol.
     extensions: Extensions,
     next_connect_id: ConnectId,
@@ -124,10 +139,62 @@ struct Session {
     endpoints: Connections<Bytes, Endpoint>,
     dialed_tx: mpsc::Sender<Dialed>,
     closed_tx: mpsc::Sender<EndpointClosed>,
+    /// No stream is attached: nothing is sent (a resume rebuilds it).
+    detached: bool,
+    /// On a stream that resumes a lost one, until the server's RESUME list
+    /// is in.
+    handshake: Option<Handshake>,
+}
+
+struct Handshake {
+    ahead: Ahead,
+    peer: Vec<ResumeEntry>,
+    lost_at: Instant,
 }
 
 /// The outbound queue to the server is gone: the stream has ended.
 struct StreamGone;
+
+/// Packets queued towards the server.
+const OUTBOUND_QUEUE: usize = 256;
+/// RESUME entries per packet: a few hundred KiB at most.
+const RESUME_CHUNK: usize = 16 * 1024;
+
+/// What a session's packets arrive as.
+pub type Inbound = Pin<Box<dyn futures_util::Stream<Item = Result<Packet, tonic::Status>> + Send>>;
+
+/// A stream for the session to serve.
+pub struct Attached {
+    pub inbound: Inbound,
+    /// Takes the writer of the stream's request body.
+    pub body: oneshot::Sender<Writer>,
+    /// Resolves when the stream is found dead while its inbound is still
+    /// open (a probe of its connection failed).
+    pub lost: Pin<Box<dyn Future<Output = StreamEnd> + Send>>,
+}
+
+/// Resolves when the agent exits; never for a session without that signal.
+async fn stopping(stopping: Option<Watcher>) {
+    match stopping {
+        Some(stopping) => stopping.signaled().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The stream's body, to hand the writer to (once per stream).
+fn take_body(attached: &mut Attached) -> oneshot::Sender<Writer> {
+    std::mem::replace(&mut attached.body, oneshot::channel().0)
+}
+
+/// How a session outlives its stream, when the server agreed to resume.
+pub struct Resume {
+    /// `--resume-timeout`.
+    pub timeout: Duration,
+    /// Streams that resume this session; closed when the agent gives up on it.
+    pub attachments: mpsc::Receiver<Attached>,
+    /// Called when the stream is lost, so the agent dials again at once.
+    pub on_lost: Box<dyn Fn() + Send>,
+}
 
 /// Why a server stream ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +205,8 @@ pub enum StreamEnd {
     ServerWentAway(&'static str),
     /// Anything else: a protocol or transport error, a failed probe.
     Failed(String),
+    /// The agent is exiting: it ended the stream.
+    Stopping,
 }
 
 impl std::fmt::Display for StreamEnd {
@@ -145,6 +214,7 @@ impl std::fmt::Display for StreamEnd {
         match self {
             StreamEnd::ServerWentAway(how) => f.write_str(how),
             StreamEnd::Failed(why) => f.write_str(why),
+            StreamEnd::Stopping => f.write_str("the agent is exiting"),
         }
     }
 }
@@ -160,23 +230,29 @@ impl StreamEnd {
     }
 }
 
-/// Serves one server stream until it ends. Dropping the session closes every
-/// endpoint connection on it and abandons its pending dials.
-pub async fn run<S>(
-    mut inbound: S,
-    outbound: mpsc::Sender<Packet>,
+/// How serving one stream ended.
+enum Served {
+    /// The server ended the stream: the session ends.
+    Ended(StreamEnd),
+    /// The stream failed (reset, timeout, a failed probe): with resume, its
+    /// connections wait for another.
+    Lost(StreamEnd),
+}
+
+/// Serves one server stream until it ends (with resume, the streams that
+/// take over from it too). Dropping the session closes every endpoint
+/// connection on it and abandons its pending dials.
+pub async fn run(
+    first: Attached,
     extensions: Extensions,
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     drain: Watcher,
-) -> StreamEnd
-where
-    S: futures_util::Stream<Item = Result<Packet, tonic::Status>> + Unpin,
-{
-    use futures_util::StreamExt;
-
+    mut resume: Option<Resume>,
+) -> StreamEnd {
     let (dialed_tx, mut dialed_rx) = mpsc::channel(64);
     let (closed_tx, mut closed_rx) = mpsc::channel(64);
+    let outbound = konnectivity_mux::outbound::outbound(OUTBOUND_QUEUE);
     let mut session = Session {
         settings,
         metrics,
@@ -187,47 +263,226 @@ where
         endpoints: Connections::default(),
         dialed_tx,
         closed_tx,
+        detached: false,
+        handshake: None,
     };
-    // Sent once, whether the drain began before this stream or during it.
-    // One future for the whole stream, not one per packet.
-    let drain_signaled = drain.signaled();
-    tokio::pin!(drain_signaled);
-    let mut drained = false;
+    let mut attached = first;
+    let _ = take_body(&mut attached).send(session.outbound.attach());
     let reason = loop {
-        let step = tokio::select! {
-            Some(dialed) = dialed_rx.recv() => session.on_dialed(dialed).await,
-            Some(closed) = closed_rx.recv() => session.on_endpoint_closed(closed).await,
-            () = &mut drain_signaled, if !drained => {
-                drained = true;
-                session.send(Frame::Drain).await
-            }
-            packet = inbound.next() => match packet {
-                Some(Ok(packet)) => session.on_packet(packet).await,
-                Some(Err(status)) => {
-                    session.metrics.stream_errors.count(Segment::ToAgent, status.code(), None);
-                    session.metrics.server_failure(ServerDirection::FromServer);
-                    break StreamEnd::from_status(&status);
-                }
-                None => break StreamEnd::ServerWentAway("the server ended the stream"),
-            },
+        // Counted while a stream is attached, not while one is awaited.
+        let open = GaugeGuard::new(&session.metrics.open_server_connections);
+        let served = session
+            .serve(&mut attached, &mut dialed_rx, &mut closed_rx, &drain)
+            .await;
+        drop(open);
+        session.abandon_dials();
+        let reason = match served {
+            Served::Ended(reason) => break reason,
+            Served::Lost(reason) => reason,
         };
-        if step.is_err() {
-            session.metrics.server_failure(ServerDirection::ToServer);
-            break StreamEnd::Failed("sending to the server failed (outbound queue closed)".to_owned());
-        }
+        let Some(resume) = resume.as_mut().filter(|resume| !resume.timeout.is_zero()) else {
+            break reason;
+        };
+        let lost_at = Instant::now();
+        session.outbound.detach();
+        session.detached = true;
+        session.handshake = None;
+        tracing::info!(
+            %reason,
+            connections = session.endpoints.len(),
+            timeout = ?resume.timeout,
+            "proxy-server stream lost; its connections wait for a stream that resumes them (--resume-timeout)"
+        );
+        (resume.on_lost)();
+        let next = session
+            .wait_detached(resume, &mut dialed_rx, &mut closed_rx)
+            .await;
+        let Some(next) = next else {
+            let closed = session.endpoints.len();
+            session.metrics.resumes.timed_out.inc_by(closed as u64);
+            break StreamEnd::Failed(format!(
+                "{reason}; not resumed within {:?} (--resume-timeout), {closed} connections closed",
+                resume.timeout
+            ));
+        };
+        attached = next;
+        session.attach(&mut attached, lost_at);
     };
-    for (_, dial) in session.dials.drain() {
-        dial.task.abort();
-        session
-            .metrics
-            .tunnels_ended
-            .before_established(&dial.span, TunnelEnd::ServerGone, None);
-    }
+    session.abandon_dials();
+    session.outbound.close();
     reason
 }
 
 impl Session {
+    /// Serves one attached stream until it ends.
+    async fn serve(
+        &mut self,
+        attached: &mut Attached,
+        dialed_rx: &mut mpsc::Receiver<Dialed>,
+        closed_rx: &mut mpsc::Receiver<EndpointClosed>,
+        drain: &Watcher,
+    ) -> Served {
+        use futures_util::StreamExt;
+
+        // Sent once per stream, whether the drain began before this stream
+        // or during it. One future for the whole stream, not one per packet.
+        let drain_signaled = drain.signaled();
+        tokio::pin!(drain_signaled);
+        let stopping = stopping(self.settings.stopping.clone());
+        tokio::pin!(stopping);
+        let mut drained = false;
+        loop {
+            let step = tokio::select! {
+                Some(dialed) = dialed_rx.recv() => self.on_dialed(dialed).await,
+                Some(closed) = closed_rx.recv() => self.on_endpoint_closed(closed).await,
+                () = &mut drain_signaled, if !drained => {
+                    drained = true;
+                    self.send(Frame::Drain).await
+                }
+                end = &mut attached.lost => return Served::Lost(end),
+                () = &mut stopping => return Served::Ended(StreamEnd::Stopping),
+                packet = attached.inbound.next() => match packet {
+                    Some(Ok(packet)) => self.on_packet(packet).await,
+                    Some(Err(status)) => {
+                        self.metrics.stream_errors.count(Segment::ToAgent, status.code(), None);
+                        self.metrics.server_failure(ServerDirection::FromServer);
+                        return Served::Lost(StreamEnd::from_status(&status));
+                    }
+                    None => return Served::Ended(StreamEnd::ServerWentAway("the server ended the stream")),
+                },
+            };
+            if step.is_err() {
+                self.metrics.server_failure(ServerDirection::ToServer);
+                return Served::Ended(StreamEnd::Failed(
+                    "sending to the server failed (outbound queue closed)".to_owned(),
+                ));
+            }
+        }
+    }
+
+    /// The dials in flight: the server forgets them with the stream.
+    fn abandon_dials(&mut self) {
+        for (_, dial) in self.dials.drain() {
+            dial.task.abort();
+            self.metrics
+                .tunnels_ended
+                .before_established(&dial.span, TunnelEnd::ServerGone, None);
+        }
+    }
+
+    /// No stream: endpoints keep running (what they send waits in the
+    /// queue) and those that close are kept as closing, until a stream
+    /// resumes the session, the agent gives up on it, or the timeout runs out.
+    async fn wait_detached(
+        &mut self,
+        resume: &mut Resume,
+        dialed_rx: &mut mpsc::Receiver<Dialed>,
+        closed_rx: &mut mpsc::Receiver<EndpointClosed>,
+    ) -> Option<Attached> {
+        let deadline = tokio::time::sleep(resume.timeout);
+        tokio::pin!(deadline);
+        let stopping = stopping(self.settings.stopping.clone());
+        tokio::pin!(stopping);
+        loop {
+            tokio::select! {
+                () = &mut stopping => return None,
+                // Abandoned dials: their sockets close as they drop.
+                Some(_) = dialed_rx.recv() => {}
+                Some(closed) = closed_rx.recv() => {
+                    let _ = self.on_endpoint_closed(closed).await;
+                }
+                attached = resume.attachments.recv() => return attached,
+                () = &mut deadline => return None,
+            }
+        }
+    }
+
+    /// Takes a stream that resumes this session: our RESUME list goes out
+    /// ahead of everything queued.
+    fn attach(&mut self, attached: &mut Attached, lost_at: Instant) {
+        let (writer, ahead) = self.outbound.attach_resuming();
+        let list = self.endpoints.resume_list();
+        let mut chunks = list.chunks(RESUME_CHUNK).peekable();
+        if chunks.peek().is_none() {
+            ahead.send(Frame::Resume {
+                connections: Vec::new(),
+                last: true,
+            });
+        }
+        while let Some(chunk) = chunks.next() {
+            ahead.send(Frame::Resume {
+                connections: chunk.to_vec(),
+                last: chunks.peek().is_none(),
+            });
+        }
+        let _ = take_body(attached).send(writer);
+        self.detached = false;
+        self.handshake = Some(Handshake {
+            ahead,
+            peer: Vec::new(),
+            lost_at,
+        });
+    }
+
+    /// The server's RESUME list is complete: both sides' connections are
+    /// reconciled, what the server lacks goes out ahead of the queue, which
+    /// then opens.
+    fn reconcile(&mut self, handshake: Handshake) {
+        let Handshake { ahead, peer, lost_at } = handshake;
+        let plan = self.endpoints.resume(&peer);
+        let resent: usize = plan
+            .resend
+            .iter()
+            .map(|frame| match frame {
+                Frame::Data { data, .. } => data.len(),
+                _ => 0,
+            })
+            .sum();
+        for frame in plan.resend {
+            ahead.send(frame);
+        }
+        for (connect_id, error) in plan.close_again {
+            ahead.send(Frame::CloseResponse { connect_id, error });
+        }
+        for connect_id in plan.unknown {
+            ahead.send(Frame::CloseResponse {
+                connect_id,
+                error: Some(format!("unknown connectID {connect_id}")),
+            });
+        }
+        ahead.open();
+        let dropped = plan.gone.len() + plan.refused.len();
+        for (connect_id, mut entry) in plan.gone {
+            let tunnel = entry.state.life.span();
+            tunnel.in_scope(
+                || tracing::debug!(%connect_id, "connection unknown to the server after the resume; closed"),
+            );
+            entry.state.life.set_end(TunnelEnd::ServerGone);
+        }
+        for (connect_id, mut entry, error) in plan.refused {
+            tracing::warn!(%connect_id, %error, "connection cannot resume; closed");
+            entry.state.life.set_end(TunnelEnd::ProtocolError);
+        }
+        let resumes = &self.metrics.resumes;
+        resumes.resumed.inc_by(self.endpoints.len() as u64);
+        resumes.resent_bytes.inc_by(resent as u64);
+        resumes.dropped.inc_by(dropped as u64);
+        resumes.duration.observe(lost_at.elapsed().as_secs_f64());
+        tracing::info!(
+            connections = self.endpoints.len(),
+            resent_bytes = resent,
+            dropped,
+            after = ?lost_at.elapsed(),
+            "proxy-server stream resumed"
+        );
+    }
+
+    /// Queues a packet for the server. With no stream attached nothing is
+    /// sent: a resume rebuilds what the server needs from the table.
     async fn send(&self, frame: Frame) -> Result<(), StreamGone> {
+        if self.detached {
+            return Ok(());
+        }
         self.outbound.send(frame.into()).await.map_err(|_| StreamGone)
     }
 
@@ -268,6 +523,8 @@ impl Session {
                 address,
                 dial_id,
             } => self.on_dial_request(protocol, address, dial_id).await?,
+            // With resume, the server's confirmation of a close of ours.
+            Frame::CloseRequest { connect_id } if self.endpoints.confirm(connect_id) => {}
             Frame::CloseRequest { connect_id } => {
                 let error = match self.end_endpoint(connect_id, TunnelEnd::ServerClosed) {
                     true => None,
@@ -275,6 +532,22 @@ impl Session {
                 };
                 self.send(Frame::CloseResponse { connect_id, error }).await?;
             }
+            Frame::Resume { connections, last } => match &mut self.handshake {
+                Some(handshake) => {
+                    handshake.peer.extend(connections);
+                    if last && let Some(handshake) = self.handshake.take() {
+                        self.reconcile(handshake);
+                    }
+                }
+                None => {
+                    tracing::warn!("RESUME from server outside a resume");
+                    self.metrics.stream_errors.count(
+                        Segment::ToAgent,
+                        tonic::Code::InvalidArgument,
+                        Some(PacketType::Resume),
+                    );
+                }
+            },
             Frame::CloseDial { dial_id } => {
                 if let Some(dial) = self.dials.remove(&dial_id) {
                     dial.task.abort();
@@ -488,7 +761,9 @@ impl Session {
             None => TunnelEnd::TargetClosed,
             Some(_) => TunnelEnd::TargetError,
         };
-        if let Some(mut endpoint) = self.endpoints.remove(closed.connect_id) {
+        // With resume, kept as closing until the server confirms: what the
+        // endpoint sent last must reach the server even if this stream is lost.
+        if let Some(mut endpoint) = self.endpoints.close(closed.connect_id, closed.error.clone()) {
             if let Some(error) = &closed.error {
                 let tunnel = endpoint.state.life.span();
                 tunnel.in_scope(|| tracing::debug!(%error, "endpoint connection failed"));

@@ -65,7 +65,7 @@ struct ServerSide {
     backend: Arc<konnectivity_server::hooks::Backend>,
     metrics: Arc<konnectivity_server::hooks::ServerMetrics>,
     from_agent: mpsc::UnboundedSender<Result<Packet, tonic::Status>>,
-    to_agent: mpsc::Receiver<Packet>,
+    to_agent: konnectivity_mux::outbound::Writer,
     session: tokio::task::JoinHandle<()>,
 }
 
@@ -94,6 +94,7 @@ fn server_side(extensions: Extensions) -> ServerSide {
         commands,
         registry.clone(),
         metrics.clone(),
+        None,
     ));
     ServerSide {
         registry,
@@ -125,7 +126,10 @@ pub fn server_stream(data: &[u8]) {
         } = server_side(extensions);
         // What the server sends the agent is not under test here; keep the
         // queue moving so the session never waits on it.
-        tokio::spawn(async move { while to_agent.recv().await.is_some() {} });
+        tokio::spawn(async move {
+            use tokio_stream::StreamExt;
+            while to_agent.next().await.is_some() {}
+        });
 
         // Two frontends wait on dials 1 and 2, which fuzzed DIAL_RSPs may answer.
         let mut frontends = Vec::new();
@@ -235,17 +239,17 @@ pub fn agent_stream(data: &[u8]) {
         }
 
         let metrics = Arc::new(AgentMetrics::default());
-        let (outbound, mut to_server) = mpsc::channel(64);
-        tokio::spawn(async move { while to_server.recv().await.is_some() {} });
         let (from_server, inbound) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
+        let (attached, mut to_server) = agent_attached(inbound);
+        tokio::spawn(async move { while to_server.recv().await.is_some() {} });
         let (_drain, drain) = konnectivity_plumbing::lifecycle::channel();
         let session = tokio::spawn(session::run(
-            UnboundedReceiverStream::new(inbound),
-            outbound,
+            attached,
             extensions,
             agent_settings(),
             metrics.clone(),
             drain,
+            None,
         ));
         for packet in packets {
             let _ = from_server.send(Ok(packet));
@@ -268,7 +272,36 @@ fn agent_settings() -> konnectivity_agent::hooks::SessionSettings {
         dial_timeout: Duration::from_secs(1),
         endpoint_limit: None,
         mark: None,
+        resume_timeout: Duration::ZERO,
+        stopping: None,
     }
+}
+
+/// A server stream for an agent session, fed from `inbound`; what the
+/// session sends comes out of the returned receiver.
+fn agent_attached(
+    inbound: mpsc::UnboundedReceiver<Result<Packet, tonic::Status>>,
+) -> (
+    konnectivity_agent::hooks::session::Attached,
+    mpsc::Receiver<Packet>,
+) {
+    let (body, writer) = tokio::sync::oneshot::channel::<konnectivity_mux::outbound::Writer>();
+    let (to_harness, from_session) = mpsc::channel(64);
+    tokio::spawn(async move {
+        use tokio_stream::StreamExt;
+        let Ok(mut writer) = writer.await else { return };
+        while let Some(packet) = writer.next().await {
+            if to_harness.send(packet).await.is_err() {
+                return;
+            }
+        }
+    });
+    let attached = konnectivity_agent::hooks::session::Attached {
+        inbound: Box::pin(UnboundedReceiverStream::new(inbound)),
+        body,
+        lost: Box::pin(std::future::pending()),
+    };
+    (attached, from_session)
 }
 
 /// A frontend client's Proxy stream (kube-apiserver's side of the gRPC
@@ -337,14 +370,14 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
         let agent_metrics = Arc::new(AgentMetrics::default());
         let (server_to_agent, agent_inbound) = mpsc::unbounded_channel();
         tokio::spawn(async move {
-            while let Some(mut packet) = to_agent.recv().await {
+            while let Some(mut packet) = to_agent.next().await {
                 redirect_dial(&mut packet, &echo);
                 if server_to_agent.send(Ok(packet)).is_err() {
                     return;
                 }
             }
         });
-        let (agent_outbound, mut from_agent_session) = mpsc::channel::<Packet>(64);
+        let (attached, mut from_agent_session) = agent_attached(agent_inbound);
         tokio::spawn(async move {
             while let Some(packet) = from_agent_session.recv().await {
                 if from_agent.send(Ok(packet)).is_err() {
@@ -354,12 +387,12 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
         });
         let (_drain, drain) = konnectivity_plumbing::lifecycle::channel();
         tokio::spawn(session::run(
-            UnboundedReceiverStream::new(agent_inbound),
-            agent_outbound,
+            attached,
             extensions,
             agent_settings(),
             agent_metrics.clone(),
             drain,
+            None,
         ));
 
         let dialer = Dialer {

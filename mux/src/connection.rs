@@ -119,6 +119,8 @@ pub struct Entry<M, S> {
 #[derive(Debug)]
 struct Closing {
     window: Option<SendWindow>,
+    /// Why, when the close carries an error (a CLOSE_RSP's), to say again.
+    error: Option<String>,
 }
 
 /// The connections of one stream, by id. `S` is what each end's session
@@ -141,12 +143,12 @@ impl<M, S> Default for Connections<M, S> {
 
 /// What a resume changes, for the session to carry out in this order: send
 /// `resend` (DATA the peer lacks), send the close again for `close_again`
-/// (closed here, still open there) and a close for `unknown` (open there,
-/// gone here), and end `gone` and `refused` here.
+/// (closed here, still open there; with its error) and a close for
+/// `unknown` (open there, gone here), and end `gone` and `refused` here.
 #[derive(Debug)]
 pub struct ResumePlan<M, S> {
     pub resend: Vec<Frame>,
-    pub close_again: Vec<ConnectId>,
+    pub close_again: Vec<(ConnectId, Option<String>)>,
     pub unknown: Vec<ConnectId>,
     /// Open here, unknown to the peer (its dial answer was lost, say).
     pub gone: Vec<(ConnectId, Entry<M, S>)>,
@@ -170,19 +172,28 @@ impl<M: From<Bytes>, S> Connections<M, S> {
     /// Takes a connection out of the table because this side closes it:
     /// until the peer confirms ([`Connections::confirm`]), DATA still in
     /// flight for it is dropped quietly, and with resume what it sent is
-    /// kept in case the close is lost with the stream.
-    pub fn close(&mut self, id: ConnectId) -> Option<Entry<M, S>> {
+    /// kept in case the close is lost with the stream. `error` is the
+    /// close's error text, if it carries one.
+    pub fn close(&mut self, id: ConnectId, error: Option<String>) -> Option<Entry<M, S>> {
         let entry = self.entries.remove(&id)?;
         let window = &entry.route.window;
-        let window = window.resumable().then(|| window.clone());
-        self.closing.insert(id, Closing { window });
+        let resumable = window.resumable();
+        let window = resumable.then(|| window.clone());
+        let error = error.filter(|_| resumable);
+        self.closing.insert(id, Closing { window, error });
         Some(entry)
     }
 
     /// Marks `id` closed by this side even though it is not in the table
     /// (its dial answer came after the dial was given up, say).
     pub fn closing_without_entry(&mut self, id: ConnectId) {
-        self.closing.insert(id, Closing { window: None });
+        self.closing.insert(
+            id,
+            Closing {
+                window: None,
+                error: None,
+            },
+        );
     }
 
     /// The peer confirmed a close of ours; whether it was one.
@@ -358,7 +369,7 @@ impl<M: From<Bytes>, S> Connections<M, S> {
                         plan.resend.extend(frames);
                     }
                 }
-                plan.close_again.push(id);
+                plan.close_again.push((id, closing.error.clone()));
             } else if !theirs.closing {
                 plan.unknown.push(id);
             }
@@ -659,11 +670,11 @@ mod tests {
             windows.insert(n, window);
         }
         // 1: we closed it, the peer still has it open (our close was lost).
-        ours.close(id(1));
+        ours.close(id(1), None);
         // 2: we closed it, and so did the peer.
-        ours.close(id(2));
+        ours.close(id(2), None);
         // 3: we closed it, and the peer already took the close.
-        ours.close(id(3));
+        ours.close(id(3), None);
         // 4: open on both. 5: open here, unknown to the peer. 6: the peer
         // claims bytes we never sent.
         let entry = |n, received, written, closing| ResumeEntry {
@@ -687,7 +698,7 @@ mod tests {
         // the packet: positions fall between packets, so nothing is resent,
         // but the close goes again.
         assert!(plan.resend.is_empty());
-        assert_eq!(plan.close_again, vec![id(1)]);
+        assert_eq!(plan.close_again, vec![(id(1), None)]);
         assert_eq!(plan.unknown, vec![id(7)]);
         assert_eq!(
             plan.gone.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
@@ -713,13 +724,16 @@ mod tests {
         ours.insert(id(9), route, "state");
         window.reserve(10).await.unwrap();
         let _ = window.data(id(9), Bytes::from_static(b"last bytes"));
-        ours.close(id(9));
+        ours.close(id(9), Some("connection reset by peer".to_owned()));
         let plan = ours.resume(&[entry(4, 10, 10, false), entry(9, 0, 0, false)]);
         assert_eq!(
             plan.resend.iter().map(numbered).collect::<Vec<_>>(),
             vec![(id(9), 0, 10)]
         );
-        assert_eq!(plan.close_again, vec![id(9)]);
+        assert_eq!(
+            plan.close_again,
+            vec![(id(9), Some("connection reset by peer".to_owned()))]
+        );
         assert!(ours.confirm(id(9)));
         assert!(
             !ours.is_closing(id(1)),

@@ -17,6 +17,7 @@ mod connection;
 mod extensions;
 pub mod flow;
 mod mailbox;
+pub mod outbound;
 pub mod replay;
 
 pub use connection::{Connections, Delivery, Entry, Port, ResumePlan, Route, connection};

@@ -41,6 +41,21 @@ pub mod metadata {
     /// upstream servers ignore it (so agents probe only servers that
     /// answered with the flow-control header, i.e. ours).
     pub const PROBE: &str = "konnectivity-rs-probe";
+    /// Agent request and server response headers, our extension: both
+    /// sides keep a lost stream's connections for the next stream to resume
+    /// (docs/resume.md). Sent only beside the flow-control header.
+    pub const RESUME: &str = "konnectivity-rs-resume";
+    /// Server → agent response header: the token that resumes this
+    /// stream's session (`<session><secret>@<server id>`). Agent → server:
+    /// one value per lost stream the agent wants resumed.
+    pub const RESUME_TOKEN: &str = "konnectivity-rs-resume-token";
+    /// Server → agent response header: this stream resumed the session the
+    /// agent's token named.
+    pub const RESUMED: &str = "konnectivity-rs-resumed";
+    /// Agent → server, with resume: the agent process's own random id. A
+    /// stream from the same agent with another instance means the process
+    /// that held the lost streams is gone: they will not resume.
+    pub const AGENT_INSTANCE: &str = "konnectivity-rs-agent-instance";
 }
 
 /// The largest gRPC message Go peers accept by default; we never send more.

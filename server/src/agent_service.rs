@@ -9,16 +9,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use futures_util::{Stream, StreamExt};
 use konnectivity_mux::{Extensions, flow};
 use konnectivity_plumbing::tls::certificate_names;
-use konnectivity_proto::metadata::{AGENT_ID, AGENT_IDENTIFIERS, PROBE, SERVER_COUNT, SERVER_ID};
+use konnectivity_proto::metadata::{
+    AGENT_ID, AGENT_IDENTIFIERS, AGENT_INSTANCE, PROBE, RESUME, RESUME_TOKEN, RESUMED, SERVER_COUNT,
+    SERVER_ID,
+};
 use konnectivity_proto::wire::agent_service_server::AgentService;
 use konnectivity_proto::{AgentIdentifiers, Packet};
 use konnectivity_telemetry::metrics::GaugeGuard;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::backend::registry::Registry;
+use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
 use crate::backend::{Announced, Backend, BackendId, session};
 use crate::metrics::ServerMetrics;
 use crate::token_auth::TokenAuthenticator;
@@ -32,6 +35,8 @@ pub(crate) struct AgentServer {
     control_plane_ids: Vec<String>,
     /// Set when agents authenticate by ServiceAccount token.
     token_auth: Option<TokenAuthenticator>,
+    /// Resumable agent streams; `None` with `--agent-resume-timeout=0`.
+    resumption: Option<Arc<Resumption>>,
 }
 
 impl AgentServer {
@@ -42,6 +47,7 @@ impl AgentServer {
         server_count: u32,
         control_plane_ids: Vec<String>,
         token_auth: Option<TokenAuthenticator>,
+        resume_timeout: std::time::Duration,
     ) -> Result<Self, String> {
         Ok(AgentServer {
             registry,
@@ -53,6 +59,7 @@ impl AgentServer {
             next_backend: AtomicU64::new(1),
             control_plane_ids,
             token_auth,
+            resumption: (!resume_timeout.is_zero()).then(|| Resumption::new(resume_timeout, server_id)),
         })
     }
 }
@@ -103,6 +110,8 @@ impl AgentService for AgentServer {
         let probe = request.metadata().get(PROBE).is_some_and(|value| value == "1");
         // Held by the stream's session: its token counts as live meanwhile.
         let mut live_token = None;
+        // What the agent proved: bound into a resume token.
+        let mut username = None;
         if let Some(token_auth) = &self.token_auth {
             let admitted = if probe {
                 token_auth.authenticate_probe(request.metadata()).await
@@ -110,9 +119,10 @@ impl AgentService for AgentServer {
                 token_auth
                     .authenticate(request.metadata())
                     .await
-                    .map(|(username, live)| {
-                        tracing::debug!(%agent_id, %username, "agent authenticated by token");
+                    .map(|(user, live)| {
+                        tracing::debug!(%agent_id, username = %user, "agent authenticated by token");
                         live_token = Some(live);
+                        username = Some(user);
                     })
             };
             if let Err(refused) = admitted {
@@ -125,15 +135,16 @@ impl AgentService for AgentServer {
             .metadata()
             .get(flow::HEADER)
             .is_some_and(|value| value == flow::VERSION);
+        let certificate_names = request
+            .extensions()
+            .get::<TlsConnectInfo<TcpConnectInfo>>()
+            .and_then(TlsConnectInfo::peer_certs)
+            .and_then(|certs| certs.first().map(|cert| certificate_names(cert)))
+            .unwrap_or_default();
         if control_plane {
             // The role comes from our configuration, bound to the verified
             // certificate: an agent cannot promote itself by its id alone.
-            let names = request
-                .extensions()
-                .get::<TlsConnectInfo<TcpConnectInfo>>()
-                .and_then(TlsConnectInfo::peer_certs)
-                .and_then(|certs| certs.first().map(|cert| certificate_names(cert)))
-                .unwrap_or_default();
+            let names = &certificate_names;
             if !names.contains(&agent_id) {
                 tracing::warn!(%agent_id, ?names, "refused a control-plane agent id not named by its certificate");
                 return Err(Status::permission_denied(format!(
@@ -151,9 +162,47 @@ impl AgentService for AgentServer {
                 flow_control,
             ));
         }
-        let extensions = match flow_control {
-            true => Extensions::FlowControl,
-            false => Extensions::Upstream,
+        let resumption = self
+            .resumption
+            .as_ref()
+            .filter(|_| flow_control && request.metadata().get(RESUME).is_some_and(|value| value == "1"));
+        let identity = PeerIdentity {
+            agent_id: agent_id.clone(),
+            proof: match &username {
+                Some(user) => format!("token user {user}"),
+                None => format!("certificate {certificate_names:?}"),
+            },
+        };
+        if let Some(resumption) = resumption {
+            let offered: Vec<&str> = request
+                .metadata()
+                .get_all(RESUME_TOKEN)
+                .iter()
+                .filter_map(|value| value.to_str().ok())
+                .collect();
+            let found = resumption.find(&offered, &identity).map_err(|mut refused| {
+                tracing::warn!(%agent_id, error = refused.message(), "agent stream's resume refused");
+                // The agent learns which server refused: it gives up that
+                // server's lost stream, and connects afresh.
+                refused.metadata_mut().insert(SERVER_ID, self.server_id.clone());
+                refused
+            })?;
+            if let Some(session) = found {
+                return self.resume(session, request.into_inner()).await;
+            }
+        }
+        let instance = request
+            .metadata()
+            .get(AGENT_INSTANCE)
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        if let Some(resumption) = &self.resumption {
+            resumption.restarted(&identity, instance.as_deref());
+        }
+        let extensions = match (flow_control, resumption.is_some()) {
+            (true, true) => Extensions::Resume,
+            (true, false) => Extensions::FlowControl,
+            (false, _) => Extensions::Upstream,
         };
         let announced = Announced {
             agent_id,
@@ -175,19 +224,71 @@ impl AgentService for AgentServer {
         let open = GaugeGuard::new(&self.metrics.grpc_connections("Connect"));
         let registry = self.registry.clone();
         let metrics = self.metrics.clone();
+        let resume = resumption.map(|resumption| session::Resume {
+            ticket: resumption.issue(identity, instance),
+            timeout: resumption.timeout,
+        });
+        let token = resume
+            .as_ref()
+            .and_then(|resume| AsciiMetadataValue::try_from(resume.ticket.token.as_str()).ok());
         tokio::spawn(async move {
             let _open = open;
             let _live_token = live_token;
-            session::run(backend, request.into_inner(), queues.commands, registry, metrics).await;
+            session::run(
+                backend,
+                request.into_inner(),
+                queues.commands,
+                registry,
+                metrics,
+                resume,
+            )
+            .await;
         });
 
         // Returning the response sends its headers at once: upstream agents
         // wait for `serverid` before anything else, with no timeout.
-        let packets = ReceiverStream::new(queues.to_agent).map(Ok);
-        Ok(self.with_headers(
+        let packets = queues.to_agent.map(Ok);
+        let mut response = self.with_headers(
             Response::new(Box::pin(packets) as Self::ConnectStream),
             flow_control,
-        ))
+        );
+        if let Some(token) = token {
+            let metadata = response.metadata_mut();
+            metadata.insert(RESUME, AsciiMetadataValue::from_static("1"));
+            metadata.insert(RESUME_TOKEN, token);
+        }
+        Ok(response)
+    }
+}
+
+impl AgentServer {
+    /// Hands a new stream to the session it resumes, which answers with the
+    /// writer of the stream's response (its RESUME list first).
+    async fn resume(
+        &self,
+        session: tokio::sync::mpsc::Sender<Takeover>,
+        inbound: Streaming<Packet>,
+    ) -> Result<Response<<Self as AgentService>::ConnectStream>, Status> {
+        let gone = || Status::not_found("resume refused: the session ended meanwhile");
+        let (writer, answer) = tokio::sync::oneshot::channel();
+        let attachment = Attachment {
+            inbound: Box::pin(inbound),
+            writer,
+        };
+        session
+            .send(Takeover::Resume(attachment))
+            .await
+            .map_err(|_| gone())?;
+        let writer = answer.await.map_err(|_| gone())?;
+        let packets = writer.map(Ok);
+        let mut response = self.with_headers(
+            Response::new(Box::pin(packets) as <Self as AgentService>::ConnectStream),
+            true,
+        );
+        let metadata = response.metadata_mut();
+        metadata.insert(RESUME, AsciiMetadataValue::from_static("1"));
+        metadata.insert(RESUMED, AsciiMetadataValue::from_static("1"));
+        Ok(response)
     }
 }
 

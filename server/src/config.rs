@@ -123,6 +123,12 @@ pub struct Args {
     /// and counted in tunnel_limit_refusals_total. 0: no limit.
     #[arg(long, default_value_t = 0, help_heading = "konnectivity-rs additions")]
     pub max_tunnels_per_frontend: usize,
+    /// How long the connections of a lost agent stream wait for the agent to resume
+    /// them on a new stream (konnectivity-rs agents, which negotiate it; docs/resume.md).
+    /// Meanwhile kube-apiserver's side of each sees a pause, not an error. 0 closes them
+    /// at once, as upstream does.
+    #[arg(long, value_parser = parse_duration, default_value = "1m0s", help_heading = "konnectivity-rs additions")]
+    pub agent_resume_timeout: Duration,
     /// Authenticate agents by ServiceAccount token instead of client certificate:
     /// the namespace of their ServiceAccount (with --agent-service-account and
     /// --authentication-audience; excludes --cluster-ca-cert).
@@ -269,6 +275,8 @@ pub struct Config {
     pub frontend_keepalive: Option<Duration>,
     /// `--graceful-shutdown-timeout`.
     pub graceful_shutdown_timeout: Duration,
+    /// `--agent-resume-timeout`; zero: agent streams are not resumable.
+    pub agent_resume_timeout: Duration,
     /// `--tls-min-version` and `--cipher-suites`, for every TLS listener.
     pub tls_offer: TlsOffer,
     pub node_frontend: Option<NodeFrontend>,
@@ -470,6 +478,7 @@ impl Config {
             frontend_keepalive: (!args.frontend_keepalive_time.is_zero())
                 .then_some(args.frontend_keepalive_time),
             graceful_shutdown_timeout: args.graceful_shutdown_timeout,
+            agent_resume_timeout: args.agent_resume_timeout,
             tls_offer,
             node_frontend,
             control_plane_agent_ids,

@@ -62,7 +62,7 @@ async fn agent_server(
     kube: Option<&Arc<KubeClient>>,
     registry: Arc<Registry>,
     metrics: Arc<ServerMetrics>,
-) -> Result<impl Future<Output = Result<(), tonic::transport::Error>>, ServeError> {
+) -> Result<impl Future<Output = Result<(), tonic::transport::Error>> + Send + use<>, ServeError> {
     let listener = bind_tcp("agent listener (--agent-port)", config.agent_addr).await?;
     let tls = tls::server_config(
         &config.agent_identity,
@@ -82,6 +82,7 @@ async fn agent_server(
         config.server_count,
         config.control_plane_agent_ids.clone(),
         auth,
+        config.agent_resume_timeout,
     )
     .map_err(ServeError::Config)?;
     Ok(grpc_server(config.keepalive)
@@ -109,6 +110,9 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         .clone()
         .map(|endpoint| Arc::new(KubeClient::new(endpoint)));
     let agent_server = agent_server(&config, kube.as_ref(), registry.clone(), metrics.clone()).await?;
+    // Its own task: it outlives the select below, to end agent streams cleanly.
+    let mut agent_server = tokio::spawn(agent_server);
+    let agents = registry.clone();
     let dialer = Dialer {
         registry: registry.clone(),
         metrics: metrics.clone(),
@@ -161,7 +165,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
             shut_down = true;
             Ok(())
         }
-        result = agent_server => result.map_err(ServeError::AgentServer),
+        result = &mut agent_server => match result {
+            Ok(result) => result.map_err(ServeError::AgentServer),
+            Err(join) => Err(ServeError::Config(format!("agent server task failed: {join}"))),
+        },
         result = &mut frontend_task => match result {
             Ok(result) => result.map_err(ServeError::FrontendServer),
             Err(join) => Err(ServeError::Config(format!("frontend task failed: {join}"))),
@@ -181,6 +188,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     }
     drop(frontend_task);
     drop(node_task);
+    end_agent_streams(&agents).await;
+    agent_server.abort();
     health_task.abort();
     if let Some(admin) = admin_task {
         admin.abort();
@@ -191,6 +200,21 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         controller.stop().await;
     }
     result
+}
+
+/// Ends every agent stream cleanly and waits, briefly, for the agents to
+/// close theirs: a stream cut by the exit would look lost to them, and they
+/// would wait for a resume this process cannot give.
+async fn end_agent_streams(registry: &Registry) {
+    let ended = registry.end_streams();
+    if ended == 0 {
+        return;
+    }
+    tracing::info!(streams = ended, "ending agent streams");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+    while !registry.is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Waits until every frontend connection has ended (and with it its

@@ -7,7 +7,7 @@ use konnectivity_proto::PacketType;
 pub(crate) use konnectivity_telemetry::metrics::Segment;
 use konnectivity_telemetry::metrics::{
     ApiHistograms, ApiLabels, DEFAULT_BUCKETS, GaugeGuard, GoCounter, LATENCY_BUCKETS, Labels,
-    PacketCounters, StreamErrors, TunnelsEnded, binary_registry, register,
+    PacketCounters, Resumes, StreamErrors, TunnelsEnded, binary_registry, register,
 };
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -79,6 +79,8 @@ pub struct ServerMetrics {
     limit_refusals: Family<Labels, GoCounter>,
     /// `tunnels_ended_total{reason}`.
     pub tunnels_ended: TunnelsEnded,
+    /// Ours: agent streams' connections resumed (docs/resume.md).
+    pub resumes: Resumes,
     /// Ours: CONNECT requests refused before any dial, by HTTP status.
     connect_rejections: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
@@ -115,6 +117,7 @@ impl Default for ServerMetrics {
             grpc_connections: Family::default(),
             limit_refusals: Family::default(),
             tunnels_ended: TunnelsEnded::default(),
+            resumes: Resumes::default(),
             connect_rejections: Family::default(),
             dial_failures: Family::default(),
             culled_leases: GoCounter::default(),
@@ -242,6 +245,7 @@ impl Default for ServerMetrics {
                 metrics.heap_bytes.clone(),
             );
             metrics.tunnels_ended = TunnelsEnded::register(registry);
+            metrics.resumes = Resumes::register(registry);
             register(
                 registry,
                 "tunnel_limit_refusals_total",

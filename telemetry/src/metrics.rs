@@ -14,6 +14,7 @@ mod counter;
 mod packets;
 pub mod process;
 mod registry;
+mod resumes;
 mod tunnels;
 
 pub use counter::{GaugeGuard, GoCounter};
@@ -22,4 +23,5 @@ pub use registry::{
     ApiHistograms, ApiLabels, CONTENT_TYPE, DEFAULT_BUCKETS, LATENCY_BUCKETS, Labels, binary_registry,
     encode, register, reply,
 };
+pub use resumes::Resumes;
 pub use tunnels::{EndReason, TunnelBytes, TunnelRecord, TunnelsEnded};

@@ -327,9 +327,12 @@ async fn agent_killed_mid_transfer_ends_the_client_promptly_and_a_restarted_agen
     setup.assert_server_returns_to(&baseline).await;
 }
 
-/// A pull of far more than will ever arrive, the agent killed after 8 MiB:
-/// the client's connection ends with an error within seconds, and a new
-/// agent process reconnects by itself and serves new tunnels.
+/// A pull of far more than will ever arrive, the agent killed after 8 MiB and
+/// started again at once (a crash and its restart): the server takes the new
+/// process's stream as proof the old one's connections are gone (it carries
+/// another instance and no resume token), so the client's connection ends
+/// with an error within seconds instead of waiting for a resume, and the new
+/// agent serves new tunnels.
 async fn kill_the_agent_mid_transfer(setup: &mut Setup, target: &str) {
     let mut tunnel = tls_tunnel(setup, target).await;
     targets::request_pull(&mut tunnel, 64 * GIB, 3).await.unwrap();
@@ -340,6 +343,7 @@ async fn kill_the_agent_mid_transfer(setup: &mut Setup, target: &str) {
     }
     setup.agent.proc.kill();
     let killed_at = Instant::now();
+    setup.agent = setup.start_agent("agent-1", &[]);
     let end = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             match tunnel.read(&mut buf).await {
@@ -356,9 +360,6 @@ async fn kill_the_agent_mid_transfer(setup: &mut Setup, target: &str) {
         "a broken tunnel must end with an error, not a clean EOF"
     );
     assert!(killed_at.elapsed() < Duration::from_secs(5));
-    setup.server.wait_backends(0).await;
-
-    setup.agent = setup.start_agent("agent-1", &[]);
     setup.server.wait_backends(1).await;
     let mut tunnel = tls_tunnel(setup, target).await;
     let (sent, received) = targets::push(&mut tunnel, 1024 * 1024, 5).await.unwrap();

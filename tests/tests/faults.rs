@@ -97,8 +97,9 @@ async fn five_thousand_abandoned_tunnels_leave_nothing_behind() {
 }
 
 /// The server is killed (SIGKILL) in the middle of a transfer: the client
-/// sees an error, never wrong bytes, within seconds; the agent lets go of
-/// the endpoint connection and reconnects once the server is back, and the
+/// sees an error, never wrong bytes, within seconds; the agent keeps the
+/// endpoint connection for a resume until the restarted server says it has
+/// no such session, then lets go of it at once (docs/resume.md), and the
 /// restarted server carries new transfers intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_mid_transfer_fails_it_cleanly_and_a_restarted_one_serves() {
@@ -121,8 +122,9 @@ async fn a_server_killed_mid_transfer_fails_it_cleanly_and_a_restarted_one_serve
 }
 
 /// A 64 GiB pull through the tunnel, the server killed under it: the client
-/// sees an error within seconds, the agent lets go of the endpoint, and a
-/// restarted server carries a new transfer intact.
+/// sees an error within seconds, the agent lets go of the endpoint as soon
+/// as the restarted server refuses to resume, and the restarted server
+/// carries a new transfer intact.
 async fn kill_the_server_mid_transfer(setup: &mut Setup, target: &str) {
     let mut tunnel = via_uds(setup.server.uds_path(), target)
         .await
@@ -147,7 +149,9 @@ async fn kill_the_server_mid_transfer(setup: &mut Setup, target: &str) {
         killed.elapsed()
     );
 
-    // The agent closes the endpoint connection the dead stream carried.
+    // The agent closes the endpoint connection the dead stream carried once
+    // the restarted server tells it the stream cannot resume.
+    setup.server.restart().await;
     crate::support::wait_until(
         Duration::from_secs(10),
         "the agent to release its endpoint",
@@ -161,8 +165,6 @@ async fn kill_the_server_mid_transfer(setup: &mut Setup, target: &str) {
         },
     )
     .await;
-
-    setup.server.restart().await;
     setup.server.wait_backends(1).await;
     round_trip(setup, target, 4 * MIB, 3).await;
     setup.assert_gauges_return_to_zero().await;

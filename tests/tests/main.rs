@@ -27,6 +27,7 @@ mod node_policy;
 mod partition;
 mod pod_capture;
 mod profiling;
+mod resume;
 mod shutdown;
 mod soak;
 mod strategies;

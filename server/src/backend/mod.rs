@@ -9,6 +9,7 @@
 //! session task.
 
 pub(crate) mod registry;
+pub mod resume;
 pub mod session;
 pub(crate) mod strategy;
 
@@ -16,8 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
+use konnectivity_mux::outbound::{Outbound, Writer, outbound};
 use konnectivity_mux::{Extensions, Route};
-use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, DialTarget, Frame, Packet};
+use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, DialTarget, Frame};
 use tokio::sync::mpsc;
 
 use crate::metrics::{Segment, ServerMetrics};
@@ -37,8 +39,9 @@ pub struct Backend {
     /// What the agent negotiated beyond upstream's protocol: flow control
     /// ([`konnectivity_mux::flow`]), resume.
     pub extensions: Extensions,
-    /// Packets to the agent, in order; the gRPC response stream drains it.
-    outbound: mpsc::Sender<Packet>,
+    /// Packets to the agent, in order; the gRPC response stream attached
+    /// now drains it (with resume, the queue outlives a lost stream).
+    pub(crate) outbound: Outbound,
     /// Requests to this stream's session task.
     commands: mpsc::Sender<Command>,
     draining: AtomicBool,
@@ -102,8 +105,8 @@ pub struct Announced {
 /// The receiving ends of a backend's two queues.
 #[derive(Debug)]
 pub struct Queues {
-    /// Packets for the agent: the gRPC response stream drains it.
-    pub to_agent: mpsc::Receiver<Packet>,
+    /// Packets for the agent: the gRPC response stream.
+    pub to_agent: Writer,
     /// The frontends' commands: the stream's [`session`] serves them.
     pub commands: mpsc::Receiver<Command>,
 }
@@ -117,7 +120,8 @@ impl Backend {
     /// A backend for a stream that has just opened, and the ends of its
     /// queues for the response stream and the session to drain.
     pub fn open(id: BackendId, announced: Announced, metrics: Arc<ServerMetrics>) -> (Arc<Backend>, Queues) {
-        let (outbound, to_agent) = mpsc::channel(OUTBOUND_QUEUE);
+        let outbound = outbound(OUTBOUND_QUEUE);
+        let to_agent = outbound.attach();
         let (commands_tx, commands) = mpsc::channel(COMMAND_QUEUE);
         let Announced {
             agent_id,
@@ -156,15 +160,7 @@ impl Backend {
     /// Queues a frame for the agent, waiting while the queue is full.
     pub async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
         self.metrics.packet(Segment::ToAgent, frame.kind());
-        match self.outbound.try_send(frame.into()) {
-            Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(BackendGone),
-            // The wait for room is boxed: inline, its state would make the
-            // task of every tunnel larger, idle ones included.
-            Err(mpsc::error::TrySendError::Full(packet)) => Box::pin(self.outbound.send(packet))
-                .await
-                .map_err(|_| BackendGone),
-        }
+        self.outbound.send(frame.into()).await.map_err(|_| BackendGone)
     }
 
     pub async fn command(&self, command: Command) -> Result<(), BackendGone> {

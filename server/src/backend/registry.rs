@@ -71,6 +71,22 @@ impl Registry {
         self.publish(&backends);
     }
 
+    /// The server is stopping: every agent stream is ended cleanly, so the
+    /// agents know their connections will not resume here (docs/resume.md).
+    /// Returns how many streams were ended.
+    pub fn end_streams(&self) -> usize {
+        let backends = self.backends.read().expect("registry lock poisoned");
+        for backend in backends.iter() {
+            backend.outbound.close();
+        }
+        backends.len()
+    }
+
+    /// Whether no agent stream is connected.
+    pub fn is_empty(&self) -> bool {
+        self.backends.read().expect("registry lock poisoned").is_empty()
+    }
+
     fn publish(&self, backends: &[Arc<Backend>]) {
         self.metrics.ready_backend_connections.set(backends.len() as i64);
         for (strategy, count) in self.readiness_of(backends).per_strategy {

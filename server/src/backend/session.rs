@@ -1,18 +1,28 @@
 //! One agent stream's session: the task that owns its pending dials and its
 //! connection table and routes every packet the agent sends.
+//!
+//! With resume (docs/resume.md) the session outlives its stream: when the
+//! stream is lost it keeps its connections for `--agent-resume-timeout`,
+//! and a new stream from the same agent takes over, after both sides have
+//! said what they hold.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use konnectivity_mux::outbound::Ahead;
 use konnectivity_mux::{Connections, Delivery, Route};
-use konnectivity_proto::{ConnectId, DialId, Frame, Packet, PacketType};
+use konnectivity_proto::{ConnectId, DialId, Frame, Packet, PacketType, ResumeEntry};
 use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::sync::mpsc;
 
 use super::registry::Registry;
-use super::{Backend, BackendGone, Command, Event};
+use super::resume::{Attachment, Inbound, Takeover, Ticket};
+use super::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, Established, Segment, ServerMetrics};
+
+/// RESUME entries per packet: a few hundred KiB at most.
+const RESUME_CHUNK: usize = 16 * 1024;
 
 struct PendingDial {
     /// Becomes the connection's route once the dial succeeds.
@@ -30,65 +40,305 @@ struct Session {
     /// DATA still in flight for them is dropped quietly instead of answered
     /// with another CLOSE_REQ.
     connections: Connections<Event, Established>,
+    /// On a stream that resumes a lost one, until the agent's RESUME list
+    /// is in: what goes out ahead of the queue, and the list so far.
+    handshake: Option<Handshake>,
 }
 
-/// Serves one agent stream until it ends, then releases everything on it:
-/// pending dials fail (upstream leaked them, its issue #126) and every
-/// connection's frontend sees its event channel close.
+struct Handshake {
+    ahead: Ahead,
+    peer: Vec<ResumeEntry>,
+    lost_at: Instant,
+}
+
+/// How the session outlives its stream, when the agent negotiated resume.
+pub struct Resume {
+    pub ticket: Ticket,
+    /// `--agent-resume-timeout`.
+    pub timeout: Duration,
+}
+
+/// How waiting without a stream ended.
+enum Detached {
+    Resumed(Attachment),
+    TimedOut,
+    Restarted,
+}
+
+/// How serving one stream ended.
+enum Served {
+    /// The agent ended the stream: the session ends.
+    Ended(String),
+    /// The stream failed (reset, timeout, protocol error): with resume, its
+    /// connections wait for another.
+    Lost(String),
+    /// Another stream of the agent's took over (it knew this one lost
+    /// before we did).
+    Superseded(Attachment),
+}
+
+/// Serves one agent stream until it ends (with resume, the streams that
+/// take over from it too), then releases everything on it: pending dials
+/// fail (upstream leaked them, its issue #126) and every connection's
+/// frontend sees its event channel close.
 pub async fn run<S>(
     backend: Arc<Backend>,
-    mut inbound: S,
+    inbound: S,
     mut commands: mpsc::Receiver<Command>,
     registry: Arc<Registry>,
     metrics: Arc<ServerMetrics>,
+    mut resume: Option<Resume>,
 ) where
-    S: futures_util::Stream<Item = Result<Packet, tonic::Status>> + Unpin,
+    S: futures_util::Stream<Item = Result<Packet, tonic::Status>> + Send + 'static,
 {
-    use futures_util::StreamExt;
-
     let mut session = Session {
         backend: backend.clone(),
         metrics,
         pending: HashMap::new(),
         connections: Connections::default(),
+        handshake: None,
     };
+    let mut inbound: Inbound = Box::pin(inbound);
     let reason = loop {
-        // Commands first: a Dial command is always registered before the
-        // DIAL_RSP that answers it can be read.
-        let step = tokio::select! {
-            biased;
-            Some(command) = commands.recv() => session.on_command(command).await,
-            packet = inbound.next() => match packet {
-                Some(Ok(packet)) => session.on_packet(packet).await,
-                Some(Err(status)) => {
-                    session.metrics.stream_errors.count(Segment::FromAgent, status.code(), None);
-                    // An agent that exits closes its connection without
-                    // ending its stream first: not a protocol error.
-                    if konnectivity_plumbing::net::grpc_connection_ended(&status) {
-                        break "the agent's connection closed (the agent exited, or the network dropped it)".to_owned();
-                    }
-                    break format!("stream error: {status}");
-                }
-                None => break "agent closed the stream".to_owned(),
-            },
+        let attachments = resume.as_mut().map(|resume| &mut resume.ticket.attachments);
+        let served = session.serve(&mut inbound, &mut commands, attachments).await;
+        session.fail_pending_dials();
+        let (reason, superseded) = match served {
+            Served::Ended(reason) => break reason,
+            Served::Lost(reason) => (reason, None),
+            Served::Superseded(attachment) => (
+                "another stream of the agent took over".to_owned(),
+                Some(attachment),
+            ),
         };
-        if step.is_err() {
-            break "outbound queue closed".to_owned();
+        let Some(resume) = resume.as_mut() else {
+            break reason;
+        };
+        if resume.timeout.is_zero() {
+            break reason;
         }
+        let lost_at = Instant::now();
+        registry.remove(backend.id);
+        backend.outbound.detach();
+        session.handshake = None;
+        tracing::info!(
+            agent_id = %backend.agent_id,
+            %reason,
+            connections = session.connections.len(),
+            timeout = ?resume.timeout,
+            "agent stream lost; its connections wait for the agent to resume them (--agent-resume-timeout)"
+        );
+        let attachment = match superseded {
+            Some(attachment) => Detached::Resumed(attachment),
+            None => session.wait_detached(&mut commands, resume).await,
+        };
+        let attachment = match attachment {
+            Detached::Resumed(attachment) => attachment,
+            Detached::TimedOut => {
+                let closed = session.connections.len();
+                session.metrics.resumes.timed_out.inc_by(closed as u64);
+                break format!(
+                    "{reason}; no stream resumed it within {:?} (--agent-resume-timeout), {closed} connections closed",
+                    resume.timeout
+                );
+            }
+            Detached::Restarted => {
+                break format!(
+                    "{reason}; the agent restarted (a new stream from it carried no resume token), {} connections \
+                     closed",
+                    session.connections.len()
+                );
+            }
+        };
+        inbound = session.attach(attachment, lost_at);
+        registry.add(backend.clone());
     };
     tracing::info!(agent_id = %backend.agent_id, %reason, "agent stream ended");
     registry.remove(backend.id);
+    backend.outbound.close();
     // Dials queued after the last loop turn fail too: dropping their event
     // senders tells the frontends the agent is gone.
     commands.close();
     while commands.try_recv().is_ok() {}
-    for _ in session.pending.drain() {
-        session.metrics.dial_failed(DialFailure::BackendClose);
-    }
+    session.fail_pending_dials();
     session.connections.clear();
 }
 
 impl Session {
+    /// Serves `inbound` and the frontends' commands until the stream ends.
+    async fn serve(
+        &mut self,
+        inbound: &mut Inbound,
+        commands: &mut mpsc::Receiver<Command>,
+        mut attachments: Option<&mut mpsc::Receiver<Takeover>>,
+    ) -> Served {
+        use futures_util::StreamExt;
+        loop {
+            let next_attachment = async {
+                loop {
+                    match attachments.as_mut() {
+                        Some(attachments) => match attachments.recv().await {
+                            Some(Takeover::Resume(attachment)) => return Some(attachment),
+                            // This session's stream is alive: another stream
+                            // of the same agent is no restart of its.
+                            Some(Takeover::Restarted) => continue,
+                            None => return None,
+                        },
+                        None => std::future::pending().await,
+                    }
+                }
+            };
+            // Commands first: a Dial command is always registered before the
+            // DIAL_RSP that answers it can be read.
+            let step = tokio::select! {
+                biased;
+                Some(command) = commands.recv() => self.on_command(command).await,
+                Some(attachment) = next_attachment => return Served::Superseded(attachment),
+                packet = inbound.next() => match packet {
+                    Some(Ok(packet)) => self.on_packet(packet).await,
+                    Some(Err(status)) => {
+                        self.metrics.stream_errors.count(Segment::FromAgent, status.code(), None);
+                        // An agent that exits closes its connection without
+                        // ending its stream first: not a protocol error.
+                        if konnectivity_plumbing::net::grpc_connection_ended(&status) {
+                            return Served::Lost(
+                                "the agent's connection closed (the agent exited, or the network dropped it)"
+                                    .to_owned(),
+                            );
+                        }
+                        return Served::Lost(format!("stream error: {status}"));
+                    }
+                    None => return Served::Ended("agent closed the stream".to_owned()),
+                },
+            };
+            if step.is_err() {
+                return Served::Ended("outbound queue closed".to_owned());
+            }
+        }
+    }
+
+    /// Fails every dial the agent has not answered (their frontends see
+    /// the agent gone): whatever becomes of the stream, its answers are lost.
+    fn fail_pending_dials(&mut self) {
+        for _ in self.pending.drain() {
+            self.metrics.dial_failed(DialFailure::BackendClose);
+        }
+    }
+
+    /// No stream: serves the frontends' commands without sending anything
+    /// (what they change goes out when a stream resumes) until a stream
+    /// takes over, or the resume timeout runs out.
+    async fn wait_detached(
+        &mut self,
+        commands: &mut mpsc::Receiver<Command>,
+        resume: &mut Resume,
+    ) -> Detached {
+        let deadline = tokio::time::sleep(resume.timeout);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                biased;
+                Some(command) = commands.recv() => match command {
+                    // Dropping its route tells the frontend the agent is gone.
+                    Command::Dial { .. } => self.metrics.dial_failed(DialFailure::BackendClose),
+                    // Its dial failed when the stream was lost.
+                    Command::CancelDial { .. } => {}
+                    Command::Close { connect_id } => {
+                        self.connections.close(connect_id, None);
+                    }
+                },
+                takeover = resume.ticket.attachments.recv() => match takeover {
+                    Some(Takeover::Resume(attachment)) => return Detached::Resumed(attachment),
+                    Some(Takeover::Restarted) => return Detached::Restarted,
+                    None => return Detached::TimedOut,
+                },
+                () = &mut deadline => return Detached::TimedOut,
+            }
+        }
+    }
+
+    /// Takes `attachment`'s stream as this session's: sends our RESUME list
+    /// ahead of everything queued, and hands the stream its writer.
+    fn attach(&mut self, attachment: Attachment, lost_at: Instant) -> Inbound {
+        let (writer, ahead) = self.backend.outbound.attach_resuming();
+        let list = self.connections.resume_list();
+        let mut chunks = list.chunks(RESUME_CHUNK).peekable();
+        if chunks.peek().is_none() {
+            ahead.send(Frame::Resume {
+                connections: Vec::new(),
+                last: true,
+            });
+        }
+        while let Some(chunk) = chunks.next() {
+            ahead.send(Frame::Resume {
+                connections: chunk.to_vec(),
+                last: chunks.peek().is_none(),
+            });
+        }
+        // If the agent service gave up on the stream meanwhile, its inbound
+        // ends at once and the stream counts as lost again.
+        let _ = attachment.writer.send(writer);
+        self.handshake = Some(Handshake {
+            ahead,
+            peer: Vec::new(),
+            lost_at,
+        });
+        attachment.inbound
+    }
+
+    /// The agent's RESUME list is complete: both sides' connections are
+    /// reconciled, what it lacks goes out ahead of the queue, which then
+    /// opens.
+    fn reconcile(&mut self, handshake: Handshake) {
+        let Handshake { ahead, peer, lost_at } = handshake;
+        let plan = self.connections.resume(&peer);
+        let resent: usize = plan
+            .resend
+            .iter()
+            .map(|frame| match frame {
+                Frame::Data { data, .. } => data.len(),
+                _ => 0,
+            })
+            .sum();
+        for frame in plan.resend {
+            ahead.send(frame);
+        }
+        for (connect_id, _) in plan.close_again {
+            ahead.send(Frame::CloseRequest { connect_id });
+        }
+        for connect_id in plan.unknown {
+            self.connections.closing_without_entry(connect_id);
+            ahead.send(Frame::CloseRequest { connect_id });
+        }
+        ahead.open();
+        let dropped = plan.gone.len() + plan.refused.len();
+        for (connect_id, entry) in plan.gone {
+            tracing::debug!(agent_id = %self.backend.agent_id, %connect_id, "connection unknown to the resumed agent; closed");
+            entry.route.send(Event::Closed(Some(format!(
+                "{AGENT_DISCONNECTED}: the agent no longer had the connection when its stream resumed"
+            ))));
+        }
+        for (connect_id, entry, error) in plan.refused {
+            tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, %error, "connection cannot resume; closed");
+            entry.route.send(Event::Closed(Some(format!(
+                "{AGENT_DISCONNECTED}: resume refused: {error}"
+            ))));
+        }
+        let resumes = &self.metrics.resumes;
+        resumes.resumed.inc_by(self.connections.len() as u64);
+        resumes.resent_bytes.inc_by(resent as u64);
+        resumes.dropped.inc_by(dropped as u64);
+        resumes.duration.observe(lost_at.elapsed().as_secs_f64());
+        tracing::info!(
+            agent_id = %self.backend.agent_id,
+            connections = self.connections.len(),
+            resent_bytes = resent,
+            dropped,
+            after = ?lost_at.elapsed(),
+            "agent stream resumed"
+        );
+    }
+
     async fn on_command(&mut self, command: Command) -> Result<(), BackendGone> {
         match command {
             Command::Dial {
@@ -125,7 +375,7 @@ impl Session {
                 Ok(())
             }
             Command::Close { connect_id } => {
-                if self.connections.close(connect_id).is_some() {
+                if self.connections.close(connect_id, None).is_some() {
                     self.send(Frame::CloseRequest { connect_id }).await?;
                 }
                 Ok(())
@@ -159,8 +409,29 @@ impl Session {
                 self.connections.confirm(connect_id);
                 if let Some(connection) = self.connections.remove(connect_id) {
                     connection.route.send(Event::Closed(error));
+                    if self.backend.extensions.resume() {
+                        // The agent keeps what it sent until we confirm its
+                        // close (docs/resume.md).
+                        self.send(Frame::CloseRequest { connect_id }).await?;
+                    }
                 }
             }
+            Frame::Resume { connections, last } => match &mut self.handshake {
+                Some(handshake) => {
+                    handshake.peer.extend(connections);
+                    if last && let Some(handshake) = self.handshake.take() {
+                        self.reconcile(handshake);
+                    }
+                }
+                None => {
+                    tracing::warn!(agent_id = %self.backend.agent_id, "RESUME from agent outside a resume");
+                    self.metrics.stream_errors.count(
+                        Segment::FromAgent,
+                        tonic::Code::InvalidArgument,
+                        Some(PacketType::Resume),
+                    );
+                }
+            },
             Frame::WindowUpdate {
                 connect_id,
                 bytes,
@@ -239,7 +510,7 @@ impl Session {
             Delivery::Unknown if self.connections.is_closing(connect_id) => Ok(()),
             Delivery::Unknown => self.close_on_agent(connect_id).await,
             Delivery::ConsumerGone => {
-                if let Some(entry) = self.connections.close(connect_id) {
+                if let Some(entry) = self.connections.close(connect_id, None) {
                     entry.route.send(Event::Closed(None));
                 }
                 self.send(Frame::CloseRequest { connect_id }).await
@@ -314,6 +585,7 @@ mod tests {
             commands,
             registry,
             metrics.clone(),
+            None,
         ));
 
         let (route, mut frontend, _) = konnectivity_mux::connection(konnectivity_mux::Extensions::Upstream);
@@ -326,7 +598,8 @@ mod tests {
             })
             .await
             .unwrap();
-        assert!(to_agent.recv().await.is_some(), "DIAL_REQ sent");
+        use futures_util::StreamExt;
+        assert!(to_agent.next().await.is_some(), "DIAL_REQ sent");
         let connect_id = ConnectId::new(3).unwrap();
         let answer = Frame::DialResponse {
             dial_id,

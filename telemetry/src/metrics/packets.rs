@@ -43,8 +43,9 @@ impl Segment {
     }
 }
 
-/// Upstream's seven packet types and our WINDOW_UPDATE extension.
-const PACKET_TYPES: usize = 8;
+/// Upstream's seven packet types and our extensions' WINDOW_UPDATE and
+/// RESUME.
+const PACKET_TYPES: usize = 9;
 const ALL_PACKET_TYPES: [PacketType; PACKET_TYPES] = [
     PacketType::DialReq,
     PacketType::DialRsp,
@@ -54,13 +55,21 @@ const ALL_PACKET_TYPES: [PacketType; PACKET_TYPES] = [
     PacketType::DialCls,
     PacketType::Drain,
     PacketType::WindowUpdate,
+    PacketType::Resume,
 ];
 
 /// Index of a packet type in [`ALL_PACKET_TYPES`].
 fn packet_index(kind: PacketType) -> usize {
     match kind {
+        PacketType::DialReq => 0,
+        PacketType::DialRsp => 1,
+        PacketType::CloseReq => 2,
+        PacketType::CloseRsp => 3,
+        PacketType::Data => 4,
+        PacketType::DialCls => 5,
+        PacketType::Drain => 6,
         PacketType::WindowUpdate => 7,
-        upstream => upstream as usize,
+        PacketType::Resume => 8,
     }
 }
 

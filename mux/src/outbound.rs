@@ -1,0 +1,270 @@
+//! The queue of packets one side sends its peer, which outlives the stream
+//! under it (docs/resume.md).
+//!
+//! Producers (each connection's reader, the session) queue packets with
+//! [`Outbound::send`]; the transport stream attached now drains the queue
+//! through its [`Writer`]. When a stream is lost the queue stays: producers
+//! pause once it is full, and the next stream's writer takes over. A writer
+//! first sends what the session puts ahead of everything else (the RESUME
+//! list, then what the peer lacks) and opens the queue only when the
+//! session says so, so nothing queued before a resume overtakes it; what
+//! was queued for the lost stream is dropped when the next one attaches
+//! (DATA is kept by [`crate::replay`], control packets are rebuilt from the
+//! connection table).
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+
+use futures_util::Stream;
+use futures_util::task::AtomicWaker;
+use konnectivity_proto::{Frame, Packet};
+use tokio::sync::mpsc;
+
+/// The queue is gone: the session has ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the stream's session has ended")]
+pub struct QueueClosed;
+
+/// The sending end producers hold.
+#[derive(Debug, Clone)]
+pub struct Outbound {
+    queue: mpsc::Sender<Packet>,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    /// Drained by the attached writer; a std mutex, since it is only held
+    /// for a poll.
+    queue: Mutex<mpsc::Receiver<Packet>>,
+    /// Bumped by each attach and detach: a writer of an older stream ends.
+    generation: AtomicU64,
+    /// The attached writer's task, woken when its stream is detached.
+    writer: AtomicWaker,
+}
+
+/// Creates a queue of `capacity` packets.
+pub fn outbound(capacity: usize) -> Outbound {
+    let (queue, receiver) = mpsc::channel(capacity);
+    Outbound {
+        queue,
+        shared: Arc::new(Shared {
+            queue: Mutex::new(receiver),
+            generation: AtomicU64::new(0),
+            writer: AtomicWaker::new(),
+        }),
+    }
+}
+
+impl Outbound {
+    /// Queues a packet, waiting while the queue is full.
+    pub async fn send(&self, packet: Packet) -> Result<(), QueueClosed> {
+        match self.queue.try_send(packet) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(QueueClosed),
+            // The wait for room is boxed: inline, its state would make the
+            // task of every connection larger, idle ones included.
+            Err(mpsc::error::TrySendError::Full(packet)) => {
+                Box::pin(self.queue.send(packet)).await.map_err(|_| QueueClosed)
+            }
+        }
+    }
+
+    /// A writer for a new stream that drains the queue at once (a stream
+    /// that resumes nothing).
+    pub fn attach(&self) -> Writer {
+        let (writer, ahead) = self.attach_after(false);
+        ahead.open();
+        writer
+    }
+
+    /// A writer for a stream that resumes an earlier one's connections:
+    /// what was queued for the lost stream is dropped, and the writer sends
+    /// only what is put [`Ahead`] until that is opened.
+    pub fn attach_resuming(&self) -> (Writer, Ahead) {
+        self.attach_after(true)
+    }
+
+    fn attach_after(&self, drop_queued: bool) -> (Writer, Ahead) {
+        let generation = self.shared.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        self.shared.writer.wake();
+        if drop_queued {
+            let mut queue = lock(&self.shared.queue);
+            while queue.try_recv().is_ok() {}
+        }
+        let (ahead, first) = mpsc::unbounded_channel();
+        let writer = Writer {
+            shared: self.shared.clone(),
+            generation,
+            first: Some(first),
+        };
+        (writer, Ahead(ahead))
+    }
+
+    /// The stream is lost: its writer, if still polled, ends.
+    pub fn detach(&self) {
+        self.shared.generation.fetch_add(1, Ordering::AcqRel);
+        self.shared.writer.wake();
+    }
+
+    /// The session has ended: producers fail from now on, and what was
+    /// queued is dropped.
+    pub fn close(&self) {
+        self.detach();
+        let mut queue = lock(&self.shared.queue);
+        queue.close();
+        while queue.try_recv().is_ok() {}
+    }
+
+    /// Packets waiting in the queue.
+    pub fn queued(&self) -> usize {
+        self.queue.max_capacity() - self.queue.capacity()
+    }
+}
+
+fn lock(queue: &Mutex<mpsc::Receiver<Packet>>) -> MutexGuard<'_, mpsc::Receiver<Packet>> {
+    queue.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What goes out ahead of the queue on a resuming stream; [`Ahead::open`]
+/// lets the queue follow.
+#[derive(Debug)]
+pub struct Ahead(mpsc::UnboundedSender<Option<Packet>>);
+
+impl Ahead {
+    pub fn send(&self, frame: Frame) {
+        let _ = self.0.send(Some(frame.into()));
+    }
+
+    /// Everything that must go first is sent: the queue follows.
+    pub fn open(self) {
+        let _ = self.0.send(None);
+    }
+}
+
+/// The packets for one transport stream: a gRPC response (server) or
+/// request (agent) body. Ends when the stream is detached, or another one
+/// attached.
+#[derive(Debug)]
+pub struct Writer {
+    shared: Arc<Shared>,
+    generation: u64,
+    /// What goes first, until it says the queue may follow.
+    first: Option<mpsc::UnboundedReceiver<Option<Packet>>>,
+}
+
+impl Stream for Writer {
+    type Item = Packet;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Packet>> {
+        // Registered before the check, so a detach after it wakes us.
+        self.shared.writer.register(cx.waker());
+        if self.shared.generation.load(Ordering::Acquire) != self.generation {
+            return Poll::Ready(None);
+        }
+        if let Some(first) = &mut self.first {
+            match first.poll_recv(cx) {
+                Poll::Ready(Some(Some(packet))) => return Poll::Ready(Some(packet)),
+                Poll::Ready(Some(None)) => self.first = None,
+                // The session dropped it without opening: it gave up on
+                // this stream.
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        lock(&self.shared.queue).poll_recv(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+    use konnectivity_proto::ConnectId;
+
+    fn close(id: i64) -> Packet {
+        Frame::CloseRequest {
+            connect_id: ConnectId::new(id).unwrap(),
+        }
+        .into()
+    }
+
+    #[tokio::test]
+    async fn a_writer_drains_the_queue_until_another_stream_attaches() {
+        let outbound = outbound(8);
+        let mut first = outbound.attach();
+        outbound.send(close(1)).await.unwrap();
+        assert_eq!(first.next().await, Some(close(1)));
+        outbound.send(close(2)).await.unwrap();
+        outbound.detach();
+        assert_eq!(first.next().await, None, "a detached writer ends");
+        assert_eq!(outbound.queued(), 1, "the queue stays");
+        let mut second = outbound.attach();
+        outbound.send(close(3)).await.unwrap();
+        assert_eq!(
+            second.next().await,
+            Some(close(2)),
+            "a plain attach sends what was queued"
+        );
+        assert_eq!(second.next().await, Some(close(3)));
+    }
+
+    #[tokio::test]
+    async fn a_resuming_writer_sends_what_goes_ahead_then_the_queue() {
+        let outbound = outbound(8);
+        let _lost = outbound.attach();
+        outbound.send(close(1)).await.unwrap();
+        let (mut writer, ahead) = outbound.attach_resuming();
+        assert_eq!(
+            outbound.queued(),
+            0,
+            "what was queued for the lost stream is dropped"
+        );
+        outbound.send(close(2)).await.unwrap();
+        ahead.send(Frame::CloseRequest {
+            connect_id: ConnectId::new(9).unwrap(),
+        });
+        assert_eq!(writer.next().await, Some(close(9)));
+        let waiting = tokio::time::timeout(std::time::Duration::from_millis(20), writer.next());
+        assert!(waiting.await.is_err(), "the queue waits until opened");
+        ahead.open();
+        assert_eq!(writer.next().await, Some(close(2)));
+    }
+
+    #[tokio::test]
+    async fn a_waiting_writer_ends_when_its_stream_is_detached() {
+        let outbound = outbound(8);
+        let mut writer = outbound.attach();
+        let waiting = tokio::spawn(async move { writer.next().await });
+        tokio::task::yield_now().await;
+        outbound.close();
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(1), waiting).await;
+        assert_eq!(ended.expect("woken").unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_closed_queue_fails_its_producers() {
+        let outbound = outbound(1);
+        outbound.send(close(1)).await.unwrap();
+        let blocked = {
+            let outbound = outbound.clone();
+            tokio::spawn(async move { outbound.send(close(2)).await })
+        };
+        tokio::task::yield_now().await;
+        outbound.close();
+        assert_eq!(blocked.await.unwrap(), Err(QueueClosed));
+        assert_eq!(outbound.send(close(3)).await, Err(QueueClosed));
+    }
+
+    #[tokio::test]
+    async fn producers_pause_while_no_stream_is_attached() {
+        let outbound = outbound(1);
+        outbound.send(close(1)).await.unwrap();
+        let blocked = tokio::time::timeout(std::time::Duration::from_millis(20), outbound.send(close(2)));
+        assert!(blocked.await.is_err(), "a full queue pauses its producers");
+        let mut writer = outbound.attach();
+        assert_eq!(writer.next().await, Some(close(1)));
+    }
+}
