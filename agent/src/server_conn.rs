@@ -120,14 +120,25 @@ fn instance_id() -> &'static str {
 }
 
 /// A stream's request body: the packets of the writer its session hands
-/// over once it has the stream (a new session, or one resuming).
+/// over once it has the stream (a new session, or one resuming). A stream
+/// given up before that (a duplicate) ends with STREAM_END when `resume`
+/// was negotiated, so the server does not keep it for a resume.
 fn deferred_body(
     metrics: Arc<AgentMetrics>,
+    resume: Arc<std::sync::atomic::AtomicBool>,
 ) -> (oneshot::Sender<Writer>, impl futures_util::Stream<Item = Packet>) {
+    use futures_util::future::Either;
     let (body, writer) = oneshot::channel();
     let packets = futures_util::stream::once(writer)
-        .filter_map(|writer| std::future::ready(writer.ok()))
-        .flatten()
+        .flat_map(move |writer| match writer {
+            Ok(writer) => Either::Left(writer),
+            Err(_) => {
+                let deliberate = resume.load(std::sync::atomic::Ordering::Acquire);
+                Either::Right(futures_util::stream::iter(
+                    deliberate.then(|| Packet::from(konnectivity_proto::Frame::StreamEnd)),
+                ))
+            }
+        })
         .inspect(move |packet: &Packet| {
             if let Ok(kind) = PacketType::try_from(packet.r#type) {
                 metrics.packet(Segment::FromAgent, kind);
@@ -187,7 +198,8 @@ impl ServerTarget {
             }
         }
         let channel = self.dial().await?;
-        let (body, packets) = deferred_body(metrics.clone());
+        let negotiated = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (body, packets) = deferred_body(metrics.clone(), negotiated.clone());
         let response = match self.call(&channel, metadata, packets, HEADERS_TIMEOUT).await {
             Err(ConnectError::Refused { address, status })
                 if status.message().starts_with("resume refused") =>
@@ -219,6 +231,7 @@ impl ServerTarget {
             .and_then(|value| value.to_str().ok())
             .map(str::to_owned);
         let resumed = resume_offered && metadata.get(RESUMED).is_some_and(|value| value == "1");
+        negotiated.store(extensions.resume(), std::sync::atomic::Ordering::Release);
         Ok(ServerStream {
             server_id: headers.server_id,
             server_count: headers.server_count,

@@ -140,6 +140,11 @@ pub(crate) async fn serve(
     };
     let mut wanted = 0;
     loop {
+        if settings.stopping.as_ref().is_some_and(Watcher::is_signaled) {
+            // The agent is exiting: its sessions end their streams; no new
+            // stream is opened meanwhile.
+            std::future::pending::<()>().await;
+        }
         while let Ok(report) = reports.try_recv() {
             apply(report, &mut held, &mut parked, &mut announced);
         }
@@ -313,6 +318,11 @@ pub(crate) async fn serve_each(
     let mut slots: BTreeMap<SocketAddr, Slot> = BTreeMap::new();
     let mut next_lookup = Instant::now();
     loop {
+        if settings.stopping.as_ref().is_some_and(Watcher::is_signaled) {
+            // The agent is exiting: its sessions end their streams; no new
+            // stream is opened meanwhile.
+            std::future::pending::<()>().await;
+        }
         let now = Instant::now();
         if now >= next_lookup {
             let found = look_up(&hosts).await;

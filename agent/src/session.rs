@@ -144,6 +144,9 @@ struct Session {
     /// On a stream that resumes a lost one, until the server's RESUME list
     /// is in.
     handshake: Option<Handshake>,
+    /// The server sent STREAM_END on the stream served now: its end is not
+    /// a loss (with resume, an end without it is).
+    peer_ended: bool,
 }
 
 struct Handshake {
@@ -265,6 +268,7 @@ pub async fn run(
         closed_tx,
         detached: false,
         handshake: None,
+        peer_ended: false,
     };
     let mut attached = first;
     let _ = take_body(&mut attached).send(session.outbound.attach());
@@ -274,17 +278,25 @@ pub async fn run(
         let served = session
             .serve(&mut attached, &mut dialed_rx, &mut closed_rx, &drain)
             .await;
-        drop(open);
         session.abandon_dials();
         let reason = match served {
+            Served::Ended(StreamEnd::Stopping) => {
+                session.farewell(&mut attached).await;
+                break StreamEnd::Stopping;
+            }
             Served::Ended(reason) => break reason,
             Served::Lost(reason) => reason,
         };
+        drop(open);
         let Some(resume) = resume.as_mut().filter(|resume| !resume.timeout.is_zero()) else {
             break reason;
         };
         let lost_at = Instant::now();
         session.outbound.detach();
+        // Let go of the lost stream and its connection (their probes too):
+        // dropping its answer resets the stream, never ends it cleanly.
+        attached.inbound = Box::pin(futures_util::stream::empty());
+        attached.lost = Box::pin(std::future::pending());
         session.detached = true;
         session.handshake = None;
         tracing::info!(
@@ -307,6 +319,7 @@ pub async fn run(
         };
         attached = next;
         session.attach(&mut attached, lost_at);
+        session.peer_ended = false;
     };
     session.abandon_dials();
     session.outbound.close();
@@ -346,7 +359,17 @@ impl Session {
                     Some(Err(status)) => {
                         self.metrics.stream_errors.count(Segment::ToAgent, status.code(), None);
                         self.metrics.server_failure(ServerDirection::FromServer);
-                        return Served::Lost(StreamEnd::from_status(&status));
+                        return match self.peer_ended {
+                            true => Served::Ended(StreamEnd::ServerWentAway("the server ended the stream")),
+                            false => Served::Lost(StreamEnd::from_status(&status)),
+                        };
+                    }
+                    // With resume only STREAM_END tells a deliberate end: a
+                    // connection that dies can end the stream without an error.
+                    None if self.extensions.resume() && !self.peer_ended => {
+                        return Served::Lost(StreamEnd::ServerWentAway(
+                            "the server's stream ended without STREAM_END (its connection died)",
+                        ));
                     }
                     None => return Served::Ended(StreamEnd::ServerWentAway("the server ended the stream")),
                 },
@@ -358,6 +381,21 @@ impl Session {
                 ));
             }
         }
+    }
+
+    /// The agent is exiting: with resume, STREAM_END tells the server not
+    /// to wait for one; the stream ends, and the server's end of it is
+    /// awaited (at most a second) so that the exit cannot cut it first.
+    async fn farewell(&mut self, attached: &mut Attached) {
+        use futures_util::StreamExt;
+        if self.extensions.resume() {
+            self.outbound.try_send(Frame::StreamEnd.into());
+        }
+        self.outbound.close();
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            while let Some(Ok(_)) = attached.inbound.next().await {}
+        })
+        .await;
     }
 
     /// The dials in flight: the server forgets them with the stream.
@@ -532,6 +570,7 @@ impl Session {
                 };
                 self.send(Frame::CloseResponse { connect_id, error }).await?;
             }
+            Frame::StreamEnd => self.peer_ended = true,
             Frame::Resume { connections, last } => match &mut self.handshake {
                 Some(handshake) => {
                     handshake.peer.extend(connections);

@@ -5,9 +5,11 @@
 //! them over the committed corpora (`fuzz/corpus/TARGET/`); `cargo fuzz run
 //! TARGET` (nightly) searches for new inputs.
 
+mod resume;
 pub mod seeds;
 mod streams;
 
+pub use resume::resume_handshake;
 pub use streams::{agent_stream, frontend_stream, server_stream};
 
 use konnectivity_agent::hooks::Capture;
@@ -18,7 +20,7 @@ use konnectivity_server::hooks::{MAX_HEAD, parse_head};
 pub type Target = fn(&[u8]);
 
 /// The fuzz targets, by the name of their directory under `fuzz/corpus`.
-pub const TARGETS: [(&str, Target); 7] = [
+pub const TARGETS: [(&str, Target); 8] = [
     ("connect_head", connect_head),
     ("agent_identifiers", agent_identifiers),
     ("capture", capture),
@@ -26,6 +28,7 @@ pub const TARGETS: [(&str, Target); 7] = [
     ("server_stream", server_stream),
     ("agent_stream", agent_stream),
     ("frontend_stream", frontend_stream),
+    ("resume_handshake", resume_handshake),
 ];
 
 /// The HTTP CONNECT request head parser. A request it accepts names a

@@ -394,6 +394,45 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         let packets: Vec<Packet> = frames.into_iter().map(Packet::from).collect();
         add("frontend_stream", name, encode(switches, &packets));
     }
+
+    // The resumed stream of a session with connections 5 and 6, 4 KiB sent
+    // on each: the agent received half of 5 and all of 6, closed 6, and
+    // lists one it never had and one twice; then numbered DATA and closes.
+    let entry = |connect_id, received, written, closing| konnectivity_proto::ResumeEntry {
+        connect_id: id(connect_id),
+        received,
+        written,
+        closing,
+    };
+    let resumed = [
+        Frame::Resume {
+            connections: vec![entry(5, 0, 0, false), entry(9, 10, 0, false)],
+            last: false,
+        },
+        Frame::Resume {
+            connections: vec![entry(6, 4096, 4096, true), entry(5, 0, 0, false)],
+            last: true,
+        },
+        numbered(5, 0, 100),
+        numbered(5, 50, 100),
+        Frame::WindowUpdate {
+            connect_id: id(5),
+            bytes: 0,
+            written: Some(4096),
+        },
+        Frame::CloseResponse {
+            connect_id: id(6),
+            error: None,
+        },
+        Frame::CloseResponse {
+            connect_id: id(5),
+            error: Some("connection reset by peer".to_owned()),
+        },
+    ];
+    for (name, switches) in [("resumed", 1), ("forged-token", 0), ("another-identity", 3)] {
+        let packets: Vec<Packet> = resumed.iter().cloned().map(Packet::from).collect();
+        add("resume_handshake", name, encode(switches, &packets));
+    }
     seeds
 }
 

@@ -23,9 +23,9 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 /// More packets than this in one input are ignored: the run stays short.
 const MAX_PACKETS: usize = 512;
 /// A session that has not wound down by then is hung.
-const DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const DEADLINE: Duration = Duration::from_secs(10);
 
-fn decode(data: &[u8]) -> (u8, Vec<Packet>) {
+pub(crate) fn decode(data: &[u8]) -> (u8, Vec<Packet>) {
     let Some((&switches, mut rest)) = data.split_first() else {
         return (0, Vec::new());
     };
@@ -51,7 +51,7 @@ fn extensions(switches: u8) -> Extensions {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

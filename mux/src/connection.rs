@@ -333,7 +333,11 @@ impl<M: From<Bytes>, S> Connections<M, S> {
         let mut listed = HashSet::with_capacity(peer.len());
         for theirs in peer {
             let id = theirs.connect_id;
-            listed.insert(id);
+            if !listed.insert(id) {
+                // Listed twice: the first entry counts (a peer cannot make
+                // us send a connection's bytes again more than once).
+                continue;
+            }
             if let Some(entry) = self.entries.get(&id) {
                 let window = &entry.route.window;
                 let resumed = window.grant(0, Some(theirs.written)).and_then(|()| {

@@ -39,8 +39,10 @@ struct Shared {
     /// Drained by the attached writer; a std mutex, since it is only held
     /// for a poll.
     queue: Mutex<mpsc::Receiver<Packet>>,
-    /// Bumped by each attach and detach: a writer of an older stream ends.
+    /// Bumped by each attach and detach: a writer of an older stream stops.
     generation: AtomicU64,
+    /// The session has ended: every writer ends its stream.
+    closed: std::sync::atomic::AtomicBool,
     /// The attached writer's task, woken when its stream is detached.
     writer: AtomicWaker,
 }
@@ -53,6 +55,7 @@ pub fn outbound(capacity: usize) -> Outbound {
         shared: Arc::new(Shared {
             queue: Mutex::new(receiver),
             generation: AtomicU64::new(0),
+            closed: std::sync::atomic::AtomicBool::new(false),
             writer: AtomicWaker::new(),
         }),
     }
@@ -70,6 +73,11 @@ impl Outbound {
                 Box::pin(self.queue.send(packet)).await.map_err(|_| QueueClosed)
             }
         }
+    }
+
+    /// Queues a packet if there is room now; whether it was queued.
+    pub fn try_send(&self, packet: Packet) -> bool {
+        self.queue.try_send(packet).is_ok()
     }
 
     /// A writer for a new stream that drains the queue at once (a stream
@@ -103,19 +111,21 @@ impl Outbound {
         (writer, Ahead(ahead))
     }
 
-    /// The stream is lost: its writer, if still polled, ends.
+    /// The stream is lost: its writer, if still polled, sends nothing more
+    /// and never ends the stream cleanly (a clean end would tell the peer
+    /// the session ended); the stream goes with its connection.
     pub fn detach(&self) {
         self.shared.generation.fetch_add(1, Ordering::AcqRel);
         self.shared.writer.wake();
     }
 
-    /// The session has ended: producers fail from now on, and what was
-    /// queued is dropped.
+    /// The session has ended: producers fail from now on; the attached
+    /// writer sends what is queued (a STREAM_END last, say), then ends its
+    /// stream cleanly.
     pub fn close(&self) {
-        self.detach();
-        let mut queue = lock(&self.shared.queue);
-        queue.close();
-        while queue.try_recv().is_ok() {}
+        self.shared.closed.store(true, Ordering::Release);
+        lock(&self.shared.queue).close();
+        self.shared.writer.wake();
     }
 
     /// Packets waiting in the queue.
@@ -145,8 +155,8 @@ impl Ahead {
 }
 
 /// The packets for one transport stream: a gRPC response (server) or
-/// request (agent) body. Ends when the stream is detached, or another one
-/// attached.
+/// request (agent) body. Stops when the stream is detached or another one
+/// attached; ends (cleanly) only when the session closes the queue.
 #[derive(Debug)]
 pub struct Writer {
     shared: Arc<Shared>,
@@ -162,7 +172,11 @@ impl Stream for Writer {
         // Registered before the check, so a detach after it wakes us.
         self.shared.writer.register(cx.waker());
         if self.shared.generation.load(Ordering::Acquire) != self.generation {
-            return Poll::Ready(None);
+            // A lost stream's writer: it ends only with the session.
+            return match self.shared.closed.load(Ordering::Acquire) {
+                true => Poll::Ready(None),
+                false => Poll::Pending,
+            };
         }
         if let Some(first) = &mut self.first {
             match first.poll_recv(cx) {
@@ -199,7 +213,11 @@ mod tests {
         assert_eq!(first.next().await, Some(close(1)));
         outbound.send(close(2)).await.unwrap();
         outbound.detach();
-        assert_eq!(first.next().await, None, "a detached writer ends");
+        let stopped = tokio::time::timeout(std::time::Duration::from_millis(20), first.next());
+        assert!(
+            stopped.await.is_err(),
+            "a detached writer sends nothing, and does not end its stream"
+        );
         assert_eq!(outbound.queued(), 1, "the queue stays");
         let mut second = outbound.attach();
         outbound.send(close(3)).await.unwrap();
@@ -256,6 +274,10 @@ mod tests {
         outbound.close();
         assert_eq!(blocked.await.unwrap(), Err(QueueClosed));
         assert_eq!(outbound.send(close(3)).await, Err(QueueClosed));
+        // A writer attached now still sends what was queued, then ends.
+        let mut writer = outbound.attach();
+        assert_eq!(writer.next().await, Some(close(1)));
+        assert_eq!(writer.next().await, None);
     }
 
     #[tokio::test]

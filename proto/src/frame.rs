@@ -56,6 +56,9 @@ pub enum Frame {
         connections: Vec<ResumeEntry>,
         last: bool,
     },
+    /// konnectivity-rs extension (docs/resume.md): the sender ends the
+    /// stream on purpose; its end is not a loss.
+    StreamEnd,
 }
 
 /// One connection in a [`Frame::Resume`] list.
@@ -146,6 +149,7 @@ impl TryFrom<Packet> for Frame {
                 bytes: w.bytes,
                 written: w.written,
             },
+            (PacketType::StreamEnd, Some(Payload::StreamEnd(_)) | None) => Frame::StreamEnd,
             (PacketType::Resume, Some(Payload::Resume(r))) => Frame::Resume {
                 connections: r
                     .connections
@@ -248,6 +252,7 @@ impl From<Frame> for Packet {
                     written,
                 }),
             ),
+            Frame::StreamEnd => (PacketType::StreamEnd, Payload::StreamEnd(wire::StreamEnd {})),
             Frame::Resume { connections, last } => (
                 PacketType::Resume,
                 Payload::Resume(wire::Resume {
@@ -284,6 +289,7 @@ impl Frame {
             Frame::Drain => PacketType::Drain,
             Frame::WindowUpdate { .. } => PacketType::WindowUpdate,
             Frame::Resume { .. } => PacketType::Resume,
+            Frame::StreamEnd => PacketType::StreamEnd,
         }
     }
 }
@@ -457,6 +463,15 @@ mod tests {
         ];
         assert_eq!(encode(frame.clone()), expected);
         assert_eq!(decode(&expected), Ok(frame));
+    }
+
+    #[test]
+    fn stream_end_encoding() {
+        // type 34; Packet field 34 (tag 0x92 0x02), an empty message.
+        let expected = [0x08, 0x22, 0x92, 0x02, 0x00];
+        assert_eq!(encode(Frame::StreamEnd), expected);
+        assert_eq!(decode(&expected), Ok(Frame::StreamEnd));
+        assert_eq!(decode(&[0x08, 0x22]), Ok(Frame::StreamEnd));
     }
 
     #[test]

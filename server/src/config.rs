@@ -125,8 +125,9 @@ pub struct Args {
     pub max_tunnels_per_frontend: usize,
     /// How long the connections of a lost agent stream wait for the agent to resume
     /// them on a new stream (konnectivity-rs agents, which negotiate it; docs/resume.md).
-    /// Meanwhile kube-apiserver's side of each sees a pause, not an error. 0 closes them
-    /// at once, as upstream does.
+    /// Meanwhile kube-apiserver's side of each sees a pause, not an error. While above 0,
+    /// agent connections are pinged every 5s (or --keepalive-time, if shorter), so a
+    /// silent agent is noticed within 10s. 0 closes them at once, as upstream does.
     #[arg(long, value_parser = parse_duration, default_value = "1m0s", help_heading = "konnectivity-rs additions")]
     pub agent_resume_timeout: Duration,
     /// Authenticate agents by ServiceAccount token instead of client certificate:

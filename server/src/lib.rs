@@ -23,6 +23,8 @@ mod tunnel;
 #[cfg(feature = "test-hooks")]
 pub mod hooks {
     pub use crate::backend::registry::Registry;
+    pub use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
+    pub use crate::backend::session::Resume;
     pub use crate::backend::strategy::{Strategy, parse_strategies};
     pub use crate::backend::{Announced, Backend, BackendId, Command, Event, session};
     pub use crate::frontend::connect::{MAX_HEAD, parse_head};
@@ -55,6 +57,11 @@ use crate::tunnel::Dialer;
 pub use crate::serving::ServeError;
 use crate::serving::{bind_tcp, grpc_server, tls_incoming};
 
+/// How often agent connections are pinged while resume is on; an unanswered
+/// ping ends the connection after as long again, so a silent agent is
+/// noticed within 10 s.
+const RESUME_PING: Duration = Duration::from_secs(5);
+
 /// Binds the agent listener and returns its gRPC server, to be polled. It
 /// keeps accepting while the frontends drain: their tunnels need agents.
 async fn agent_server(
@@ -85,7 +92,18 @@ async fn agent_server(
         config.agent_resume_timeout,
     )
     .map_err(ServeError::Config)?;
-    Ok(grpc_server(config.keepalive)
+    // With resume, a silent agent (its link gone, its node frozen) must be
+    // noticed within seconds, not at the hour-long keepalive, so that its
+    // connections wait for a resume rather than for TCP (docs/resume.md).
+    let keepalive = match config.agent_resume_timeout.is_zero() {
+        true => config.keepalive,
+        false => Some(
+            config
+                .keepalive
+                .map_or(RESUME_PING, |interval| interval.min(RESUME_PING)),
+        ),
+    };
+    Ok(grpc_server(keepalive)
         // Many tunneled connections share one agent stream: give it room.
         .initial_stream_window_size(Some(8 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))

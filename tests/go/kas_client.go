@@ -9,6 +9,14 @@
 // Exits non-zero, naming the step, on any deviation from the protocol.
 //
 // usage: kas_client -socket PATH -echo HOST:PORT -closed HOST:PORT [-authority VALUE]
+//
+//	kas_client -socket PATH -echo HOST:PORT -lines DURATION
+//
+// The second form holds one tunnel to the echo target for DURATION, as a
+// `kubectl logs -f` through kube-apiserver: a numbered line every 10 ms, each
+// read back before the next; any line missing, doubled or out of order, or
+// the stream failing, exits non-zero. It prints the lines and the longest
+// wait for one.
 package main
 
 import (
@@ -241,6 +249,58 @@ func echoRound(ctx context.Context, conn *grpc.ClientConn, echo string, seed int
 	return s.CloseSend()
 }
 
+// lines holds one tunnel for `hold`, echoing a numbered line every 10 ms.
+func lines(conn *grpc.ClientConn, echo string, hold time.Duration) {
+	s, err := open(context.Background(), conn)
+	if err != nil {
+		fail("open Proxy stream: %v", err)
+	}
+	rsp, err := dial(s, echo)
+	if err != nil {
+		fail("%v", err)
+	}
+	if rsp.errorText != "" || rsp.connectID <= 0 {
+		fail("dial failed: %+v", rsp)
+	}
+	id := rsp.connectID
+	if err := s.send(dataPacket(id, append([]byte{'E'}, make([]byte, 16)...))); err != nil {
+		fail("send the echo header: %v", err)
+	}
+	var pending []byte
+	var longest time.Duration
+	sent := 0
+	for end := time.Now().Add(hold); time.Now().Before(end); sent++ {
+		line := []byte(fmt.Sprintf("line %d\n", sent))
+		started := time.Now()
+		if err := s.send(dataPacket(id, line)); err != nil {
+			fail("line %d: send: %v", sent, err)
+		}
+		for !bytes.Contains(pending, []byte("\n")) {
+			p, err := s.recv()
+			if err != nil {
+				fail("line %d: the stream failed: %v", sent, err)
+			}
+			if p.kind != data || p.connectID != id {
+				fail("line %d: DATA for %d expected, got %+v", sent, id, p)
+			}
+			pending = append(pending, p.payload...)
+		}
+		cut := bytes.IndexByte(pending, '\n') + 1
+		if !bytes.Equal(pending[:cut], line) {
+			fail("line %d: got %q: a line missing, doubled or out of order", sent, pending[:cut])
+		}
+		pending = pending[cut:]
+		if wait := time.Since(started); wait > longest {
+			longest = wait
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := s.send(closeRequest(id)); err != nil {
+		fail("send CLOSE_REQ: %v", err)
+	}
+	fmt.Printf("lines: %d echoed, longest wait %dms\n", sent, longest.Milliseconds())
+}
+
 func fail(format string, args ...interface{}) {
 	fmt.Printf("FAIL: "+format+"\n", args...)
 	os.Exit(1)
@@ -252,6 +312,7 @@ func main() {
 	closed := flag.String("closed", "", "a host:port nothing listens on")
 	authority := flag.String("authority", "", "override the :authority (grpc-go's default when empty)")
 	concurrent := flag.Int("concurrent", 8, "dials at once on the one connection")
+	hold := flag.Duration("lines", 0, "hold one tunnel this long, echoing a line every 10 ms")
 	flag.Parse()
 
 	options := []grpc.DialOption{
@@ -274,6 +335,10 @@ func main() {
 	}
 	defer conn.Close()
 	fmt.Printf("channel target %q, authority override %q\n", conn.Target(), *authority)
+	if *hold > 0 {
+		lines(conn, *echo, *hold)
+		return
+	}
 
 	// 1. Dials one after another, then many at once on the same connection
 	// (grpc-go's HPACK encoder refers back to the :authority it indexed).

@@ -1,9 +1,11 @@
 //! A network partition between node and control plane, longer than the
 //! keepalive: the veth between two network namespaces goes down for 8 s and
-//! comes back. The server must notice the dead agent stream (its pings go
-//! unanswered), fail what ran through it with an error rather than a hang
-//! or wrong bytes, stop counting the agent as ready, and take the agent back
-//! once the link returns, with nothing left behind on either side.
+//! comes back. Without resume (`--agent-resume-timeout=0`, upstream's
+//! behaviour; with it, tests/tests/resume.rs) the server must notice the
+//! dead agent stream (its pings go unanswered), fail what ran through it
+//! with an error rather than a hang or wrong bytes, stop counting the agent
+//! as ready, and take the agent back once the link returns, with nothing
+//! left behind on either side.
 
 use std::time::{Duration, Instant};
 
@@ -54,6 +56,7 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
             format!("--cluster-ca-cert={}", pki.ca.display()),
             // Pings every 2 s, each answered within 2 s or the stream is dropped.
             "--keepalive-time=2s".to_owned(),
+            "--agent-resume-timeout=0".to_owned(),
         ],
         dir.path(),
     );
@@ -71,6 +74,7 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
             "--sync-interval=100ms".to_owned(),
             "--sync-interval-cap=500ms".to_owned(),
             "--probe-interval=500ms".to_owned(),
+            "--resume-timeout=0".to_owned(),
         ],
         dir.path(),
     );

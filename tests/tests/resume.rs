@@ -167,3 +167,309 @@ async fn twenty_cuts_of_the_agent_stream_lose_and_double_nothing() {
     );
     setup.assert_gauges_return_to_zero().await;
 }
+
+/// The same through the gRPC frontend, with the clients kube-apiserver's
+/// dialer is built on: a grpc-go client (tests/go/kas_client.go, one
+/// connection, raw packets, as konnectivity-client) holds a line-by-line
+/// echo for 20 s, and our client library downloads and uploads 1 GiB on a
+/// connection per tunnel (konnectivity-client's single-use tunnels), while
+/// the agent's connection is cut twenty times. Every line comes back once and
+/// in order, both digests match, and the longest wait for a line stays under
+/// a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_cuts_under_grpc_tunnels_lose_and_double_nothing() {
+    if !root_or_skip("twenty_cuts_under_grpc_tunnels_lose_and_double_nothing") {
+        return;
+    }
+    let Some(go_client) = crate::support::foreign::grpc_go_client() else {
+        return;
+    };
+    let setup = Setup::start("grpc", true, &[]).await;
+    let target = targets::blob().await;
+    let address = target.addr.to_string();
+    let uds = setup.server.uds_path().to_owned();
+    let len = 1024 * MIB;
+
+    let mut command = tokio::process::Command::new(&go_client);
+    command
+        .arg("-socket")
+        .arg(&uds)
+        .arg("-echo")
+        .arg(&address)
+        .arg("-lines")
+        .arg("20s")
+        .kill_on_drop(true);
+    let lines = tokio::spawn(crate::support::foreign::run_client(command, "lines:"));
+    let download = {
+        let (uds, address) = (uds.clone(), address.clone());
+        tokio::spawn(async move {
+            let tunnel = konnectivity_client::Tunnel::connect_uds(&uds).await.unwrap();
+            let mut stream = tunnel.dial(&address).await.unwrap();
+            targets::pull(&mut stream, len, 17).await
+        })
+    };
+    let upload = {
+        let (uds, address) = (uds.clone(), address.clone());
+        tokio::spawn(async move {
+            let tunnel = konnectivity_client::Tunnel::connect_uds(&uds).await.unwrap();
+            let mut stream = tunnel.dial(&address).await.unwrap();
+            targets::push(&mut stream, len, 18).await
+        })
+    };
+
+    let port = setup.server.agent_port;
+    let mut cuts = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while cuts < 20 {
+        assert!(Instant::now() < deadline, "20 cuts did not happen within 120 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if cut_agent_connections(port) > 0 {
+            cuts += 1;
+        }
+    }
+    let downloaded = tokio::time::timeout(Duration::from_secs(300), download)
+        .await
+        .expect("the download finishes")
+        .unwrap()
+        .expect("the download survives the cuts");
+    assert_eq!(downloaded, pattern_digest(len, 17), "downloaded bytes changed");
+    let (sent, received) = tokio::time::timeout(Duration::from_secs(300), upload)
+        .await
+        .expect("the upload finishes")
+        .unwrap()
+        .expect("the upload survives the cuts");
+    assert_eq!(sent, received, "uploaded bytes changed");
+    let output = tokio::time::timeout(Duration::from_secs(60), lines)
+        .await
+        .expect("the grpc-go client finishes")
+        .unwrap();
+    let longest_ms: u64 = output
+        .split("longest wait ")
+        .nth(1)
+        .and_then(|rest| rest.trim().strip_suffix("ms"))
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or_else(|| panic!("no longest wait in {output}"));
+    assert!(
+        longest_ms < 1000,
+        "the grpc-go client's lines paused {longest_ms} ms (budget: under 1 s)"
+    );
+    eprintln!("{}", output.trim());
+    setup.assert_gauges_return_to_zero().await;
+}
+
+/// The node's link silent for 20 s (its veth down in the test's network
+/// namespaces: no reset, no FIN, nothing), then for longer than the resume
+/// timeout. Both sides notice the silence within 15 s (the agent's probes,
+/// the server's pings); the first time the connections resume when the link
+/// returns (every line once and in order, a download intact); the second
+/// time they close once the timeout runs out, not before, and each process
+/// is back to its descriptors and heap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_link_resumes_within_the_timeout_and_closes_cleanly_after_it() {
+    use crate::support::certs::Pki;
+    use crate::support::cluster::{memory_back_to, open_fds, settled_fds};
+    use crate::support::netns::{Netns, link};
+    use crate::support::{TempDir, wait_until};
+
+    if !root_or_skip("a_silent_link_resumes_within_the_timeout_and_closes_cleanly_after_it") {
+        return;
+    }
+    // The addresses the test certificates name (as tests/tests/partition.rs).
+    const SERVER_IP: &str = "10.222.0.2";
+    const NODE_IP: &str = "10.222.0.1";
+    const AGENT_PORT: u16 = 8091;
+    const SERVER_HEALTH: u16 = 8092;
+    const AGENT_HEALTH: u16 = 8093;
+    const READY: &str = "konnectivity_network_proxy_server_ready_backend_connections";
+    const SERVER_HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
+    const AGENT_HEAP: &str = "konnectivity_network_proxy_agent_runtime_heap_bytes";
+    // Long enough for a 20 s silence and the reconnection after it.
+    const RESUME_TIMEOUT: &str = "30s";
+
+    let dir = TempDir::new("konn-silence");
+    let pki = Pki::new(dir.path());
+    let node = Netns::new("node");
+    let control_plane = Netns::new("cp");
+    link(
+        &node,
+        &format!("{NODE_IP}/24"),
+        &control_plane,
+        &format!("{SERVER_IP}/24"),
+    );
+    let socket = dir.path().join("frontend.sock");
+    let server = control_plane.spawn(
+        "proxy-server",
+        &[
+            "--mode=http-connect".to_owned(),
+            format!("--uds-name={}", socket.display()),
+            "--server-port=0".to_owned(),
+            format!("--agent-port={AGENT_PORT}"),
+            format!("--health-port={SERVER_HEALTH}"),
+            format!("--cluster-cert={}", pki.server.cert.display()),
+            format!("--cluster-key={}", pki.server.key.display()),
+            format!("--cluster-ca-cert={}", pki.ca.display()),
+            format!("--agent-resume-timeout={RESUME_TIMEOUT}"),
+        ],
+        dir.path(),
+    );
+    let agent = node.spawn(
+        "proxy-agent",
+        &[
+            format!("--proxy-server-host={SERVER_IP}"),
+            format!("--proxy-server-port={AGENT_PORT}"),
+            format!("--ca-cert={}", pki.ca.display()),
+            format!("--agent-cert={}", pki.agent.cert.display()),
+            format!("--agent-key={}", pki.agent.key.display()),
+            "--agent-id=node-agent".to_owned(),
+            format!("--health-server-port={AGENT_HEALTH}"),
+            "--sync-interval=100ms".to_owned(),
+            "--sync-interval-cap=500ms".to_owned(),
+            format!("--resume-timeout={RESUME_TIMEOUT}"),
+        ],
+        dir.path(),
+    );
+    let cp = &control_plane;
+    wait_until(Duration::from_secs(15), "the agent to connect", || async {
+        cp.metric(SERVER_HEALTH, READY) == Some(1.0)
+    })
+    .await;
+    let listener = node.bind_tcp(&format!("{NODE_IP}:0"));
+    let target = targets::blob_on(tokio::net::TcpListener::from_std(listener).unwrap()).await;
+    let target = target.addr.to_string();
+    let heap = || {
+        let kib =
+            |netns: &Netns, port, family| netns.metric(port, family).map_or(0, |bytes| bytes as u64 / 1024);
+        (
+            kib(cp, SERVER_HEALTH, SERVER_HEAP),
+            kib(&node, AGENT_HEALTH, AGENT_HEAP),
+        )
+    };
+    let round_trip = |seed: u64| {
+        let (socket, target) = (socket.clone(), target.clone());
+        async move {
+            let mut tunnel = via_uds(&socket, &target)
+                .await
+                .unwrap()
+                .expect("CONNECT accepted");
+            let (sent, received) = targets::push(&mut tunnel, 4 * MIB, seed).await.unwrap();
+            assert_eq!(sent, received);
+        }
+    };
+    let mut memory = (0, 0);
+    for seed in [1, 2] {
+        round_trip(seed).await;
+        settled_fds(server.pid()).await;
+        settled_fds(agent.pid()).await;
+        let now = heap();
+        memory = (memory.0.max(now.0), memory.1.max(now.1));
+    }
+    let fds = (open_fds(server.pid()), open_fds(agent.pid()));
+
+    // 1. Twenty seconds of silence, then the link back: everything resumes.
+    let stop = Arc::new(AtomicBool::new(false));
+    let lines = tokio::spawn(numbered_lines(socket.clone(), target.clone(), stop.clone()));
+    let download = {
+        let (socket, target) = (socket.clone(), target.clone());
+        tokio::spawn(async move {
+            let mut tunnel = via_uds(&socket, &target)
+                .await
+                .unwrap()
+                .expect("CONNECT accepted");
+            targets::pull(&mut tunnel, 256 * MIB, 5).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    node.ip(&["link", "set", "veth0", "down"]);
+    let cut = Instant::now();
+    wait_until(
+        Duration::from_secs(15),
+        "the server to notice the silent agent",
+        || async { cp.metric(SERVER_HEALTH, READY) == Some(0.0) },
+    )
+    .await;
+    let server_noticed = cut.elapsed();
+    tokio::time::sleep(Duration::from_secs(20).saturating_sub(cut.elapsed())).await;
+    node.ip(&["link", "set", "veth0", "up"]);
+    let downloaded = tokio::time::timeout(Duration::from_secs(60), download)
+        .await
+        .expect("the download finishes after the silence")
+        .unwrap()
+        .expect("the download survives 20 s of silence");
+    assert_eq!(downloaded, pattern_digest(256 * MIB, 5));
+    stop.store(true, Ordering::Relaxed);
+    let (count, longest) = lines.await.unwrap();
+    eprintln!(
+        "20 s of silence: the server noticed after {server_noticed:?}; {count} lines, longest wait {longest:?}"
+    );
+    assert!(count > 0);
+    assert!(
+        cp.metric(SERVER_HEALTH, SERVER_RESUMED).unwrap_or(0.0) >= 2.0,
+        "the server resumed the connections"
+    );
+
+    // 2. Silence longer than the resume timeout: the connections end with an
+    // error once it runs out, and nothing of them stays.
+    let mut tunnel = via_uds(&socket, &target)
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+    targets::start_echo(&mut tunnel).await.unwrap();
+    node.ip(&["link", "set", "veth0", "down"]);
+    let cut = Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut buf = [0u8; 16];
+        tokio::io::AsyncReadExt::read(&mut tunnel, &mut buf).await
+    })
+    .await
+    .expect("the connection ends once the resume timeout runs out");
+    let after = cut.elapsed();
+    assert!(
+        after >= Duration::from_secs(25) && after < Duration::from_secs(50),
+        "ended after {after:?}, with a 30 s resume timeout"
+    );
+    // Over a Unix socket a CONNECT tunnel can only end with the end of its
+    // stream (no reset), so either is the end, as long as nothing came.
+    assert!(
+        matches!(ended, Ok(0) | Err(_)),
+        "bytes after the silence: {ended:?}"
+    );
+    node.ip(&["link", "set", "veth0", "up"]);
+    wait_until(
+        Duration::from_secs(30),
+        "the agent back on the server",
+        || async { cp.metric(SERVER_HEALTH, READY) == Some(1.0) },
+    )
+    .await;
+    round_trip(3).await;
+    let node_ref = &node;
+    let current = || async {
+        let endpoints = node_ref.metric(
+            AGENT_HEALTH,
+            "konnectivity_network_proxy_agent_open_endpoint_connections",
+        );
+        let now_fds = (open_fds(server.pid()), open_fds(agent.pid()));
+        let now_memory = heap();
+        let back = endpoints == Some(0.0)
+            && now_fds == fds
+            && memory_back_to(now_memory.0, memory.0)
+            && memory_back_to(now_memory.1, memory.1);
+        (back, (endpoints, now_fds, now_memory))
+    };
+    let (endpoints, now_fds, now_memory) =
+        crate::support::wait_until_or_last(Duration::from_secs(15), current).await;
+    eprintln!("heap (server, agent) before {memory:?} KiB, after {now_memory:?} KiB");
+    assert_eq!(endpoints, Some(0.0), "the agent's endpoint connections");
+    assert_eq!(now_fds, fds, "(server, agent) descriptors");
+    assert!(
+        memory_back_to(now_memory.0, memory.0) && memory_back_to(now_memory.1, memory.1),
+        "heap more than 10% above its baseline"
+    );
+    let timed_out = cp.metric(
+        SERVER_HEALTH,
+        "konnectivity_network_proxy_server_resume_timeouts_total",
+    );
+    assert!(
+        timed_out.unwrap_or(0.0) >= 1.0,
+        "the server counts what the timeout closed"
+    );
+}

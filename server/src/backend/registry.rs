@@ -77,6 +77,11 @@ impl Registry {
     pub fn end_streams(&self) -> usize {
         let backends = self.backends.read().expect("registry lock poisoned");
         for backend in backends.iter() {
+            if backend.extensions.resume() {
+                backend
+                    .outbound
+                    .try_send(konnectivity_proto::Frame::StreamEnd.into());
+            }
             backend.outbound.close();
         }
         backends.len()

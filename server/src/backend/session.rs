@@ -43,6 +43,9 @@ struct Session {
     /// On a stream that resumes a lost one, until the agent's RESUME list
     /// is in: what goes out ahead of the queue, and the list so far.
     handshake: Option<Handshake>,
+    /// The agent sent STREAM_END on the stream served now: its end is not
+    /// a loss (with resume, an end without it is).
+    peer_ended: bool,
 }
 
 struct Handshake {
@@ -97,6 +100,7 @@ pub async fn run<S>(
         pending: HashMap::new(),
         connections: Connections::default(),
         handshake: None,
+        peer_ended: false,
     };
     let mut inbound: Inbound = Box::pin(inbound);
     let reason = loop {
@@ -120,6 +124,11 @@ pub async fn run<S>(
         let lost_at = Instant::now();
         registry.remove(backend.id);
         backend.outbound.detach();
+        // Let go of the lost stream now, not when the next one comes.
+        drop(std::mem::replace(
+            &mut inbound,
+            Box::pin(futures_util::stream::empty()),
+        ));
         session.handshake = None;
         tracing::info!(
             agent_id = %backend.agent_id,
@@ -151,6 +160,7 @@ pub async fn run<S>(
             }
         };
         inbound = session.attach(attachment, lost_at);
+        session.peer_ended = false;
         registry.add(backend.clone());
     };
     tracing::info!(agent_id = %backend.agent_id, %reason, "agent stream ended");
@@ -200,13 +210,21 @@ impl Session {
                         self.metrics.stream_errors.count(Segment::FromAgent, status.code(), None);
                         // An agent that exits closes its connection without
                         // ending its stream first: not a protocol error.
-                        if konnectivity_plumbing::net::grpc_connection_ended(&status) {
-                            return Served::Lost(
-                                "the agent's connection closed (the agent exited, or the network dropped it)"
-                                    .to_owned(),
-                            );
-                        }
-                        return Served::Lost(format!("stream error: {status}"));
+                        let reason = if konnectivity_plumbing::net::grpc_connection_ended(&status) {
+                            "the agent's connection closed (the agent exited, or the network dropped it)".to_owned()
+                        } else {
+                            format!("stream error: {status}")
+                        };
+                        return match self.peer_ended {
+                            true => Served::Ended(reason),
+                            false => Served::Lost(reason),
+                        };
+                    }
+                    // With resume only STREAM_END tells a deliberate end:
+                    // a connection that dies (its keepalive unanswered, say)
+                    // can end the stream without an error.
+                    None if self.backend.extensions.resume() && !self.peer_ended => {
+                        return Served::Lost("the agent's stream ended without STREAM_END (its connection died)".to_owned());
                     }
                     None => return Served::Ended("agent closed the stream".to_owned()),
                 },
@@ -416,6 +434,7 @@ impl Session {
                     }
                 }
             }
+            Frame::StreamEnd => self.peer_ended = true,
             Frame::Resume { connections, last } => match &mut self.handshake {
                 Some(handshake) => {
                     handshake.peer.extend(connections);

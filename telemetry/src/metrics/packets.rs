@@ -43,9 +43,9 @@ impl Segment {
     }
 }
 
-/// Upstream's seven packet types and our extensions' WINDOW_UPDATE and
-/// RESUME.
-const PACKET_TYPES: usize = 9;
+/// Upstream's seven packet types and our extensions' WINDOW_UPDATE,
+/// RESUME and STREAM_END.
+const PACKET_TYPES: usize = 10;
 const ALL_PACKET_TYPES: [PacketType; PACKET_TYPES] = [
     PacketType::DialReq,
     PacketType::DialRsp,
@@ -56,6 +56,7 @@ const ALL_PACKET_TYPES: [PacketType; PACKET_TYPES] = [
     PacketType::Drain,
     PacketType::WindowUpdate,
     PacketType::Resume,
+    PacketType::StreamEnd,
 ];
 
 /// Index of a packet type in [`ALL_PACKET_TYPES`].
@@ -70,6 +71,7 @@ fn packet_index(kind: PacketType) -> usize {
         PacketType::Drain => 6,
         PacketType::WindowUpdate => 7,
         PacketType::Resume => 8,
+        PacketType::StreamEnd => 9,
     }
 }
 
