@@ -21,8 +21,20 @@
 # connections attempted and failed, and the recovery time after a kill
 # (tests/tests/handover.rs's scenarios from a release build; root, as root
 # installs containerd, runc and what the pod tests use).
+#
+# bash hack/bench.sh --resume: the agent's connection cut 50 times (ss -K)
+# under a back-to-back echo: the time from a cut to data flowing again, p50,
+# p90 and max (tests/tests/resume.rs's resume_benchmark from a release build;
+# root, for ss -K).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--resume" ]]; then
+  cargo build --release --locked --quiet --workspace --bins
+  KONNECTIVITY_IMAGE_ROOTFS=/nonexistent cargo test --release --locked --quiet -p konnectivity-tests \
+    --test integration -- --ignored --exact resume::resume_benchmark --nocapture 2>/dev/null | grep '^|'
+  exit
+fi
 
 if [[ "${1:-}" == "--handover" ]]; then
   packages=(curl iproute2 nftables iptables nginx-light containernetworking-plugins containerd runc protobuf-compiler)

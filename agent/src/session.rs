@@ -310,6 +310,14 @@ pub async fn run(
             .wait_detached(resume, &mut dialed_rx, &mut closed_rx)
             .await;
         let Some(next) = next else {
+            if session
+                .settings
+                .stopping
+                .as_ref()
+                .is_some_and(Watcher::is_signaled)
+            {
+                break StreamEnd::Stopping;
+            }
             let closed = session.endpoints.len();
             session.metrics.resumes.timed_out.inc_by(closed as u64);
             break StreamEnd::Failed(format!(
@@ -801,8 +809,14 @@ impl Session {
             Some(_) => TunnelEnd::TargetError,
         };
         // With resume, kept as closing until the server confirms: what the
-        // endpoint sent last must reach the server even if this stream is lost.
-        if let Some(mut endpoint) = self.endpoints.close(closed.connect_id, closed.error.clone()) {
+        // endpoint sent last must reach the server even if this stream is
+        // lost. Without it no confirmation comes (upstream's servers send
+        // none), so nothing is kept.
+        let endpoint = match self.extensions.resume() {
+            true => self.endpoints.close(closed.connect_id, closed.error.clone()),
+            false => self.endpoints.remove(closed.connect_id),
+        };
+        if let Some(mut endpoint) = endpoint {
             if let Some(error) = &closed.error {
                 let tunnel = endpoint.state.life.span();
                 tunnel.in_scope(|| tracing::debug!(%error, "endpoint connection failed"));

@@ -9,6 +9,7 @@
 //! forged one, which must be refused and change nothing); bit 1: it offers
 //! it under another identity (refused too).
 //!
+//! The stream ends with STREAM_END (the agent ending it on purpose).
 //! Whatever arrives, the session must neither panic nor hang, what it sends
 //! must be in order (DATA of each connection at increasing offsets, never
 //! past what the frontend sent), and once the stream ends nothing is left:
@@ -172,6 +173,9 @@ pub fn resume_handshake(data: &[u8]) {
             for packet in packets {
                 let _ = to_session.send(Ok(packet));
             }
+            // The agent ends the stream on purpose: the session ends (an end
+            // without STREAM_END would be a loss, waited out for a resume).
+            let _ = to_session.send(Ok(Frame::StreamEnd.into()));
             drop(to_session);
             tokio::time::timeout(DEADLINE, session)
                 .await

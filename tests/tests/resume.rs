@@ -473,3 +473,81 @@ async fn a_silent_link_resumes_within_the_timeout_and_closes_cleanly_after_it() 
         "the server counts what the timeout closed"
     );
 }
+
+/// `hack/bench.sh --resume`: how long data stops flowing when the agent's
+/// connection is cut. A 16-byte echo round trip runs back to back through
+/// HTTP CONNECT; the agent's connection is killed 50 times, 300 ms apart;
+/// each cut's pause is the time from the kill to the first round trip that
+/// completes after it (so it includes noticing the loss, dialing and the
+/// TLS handshake, the resume handshake and the bytes sent again). Prints
+/// Markdown rows; run from a release build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: hack/bench.sh --resume runs it"]
+async fn resume_benchmark() {
+    assert!(
+        root_or_skip("resume_benchmark"),
+        "the benchmark needs root (ss -K)"
+    );
+    const CUTS: usize = 50;
+    let setup = Setup::start("http-connect", true, &[]).await;
+    let target = targets::blob().await;
+    let address = target.addr.to_string();
+    let tunnel = via_uds(setup.server.uds_path(), &address)
+        .await
+        .unwrap()
+        .expect("CONNECT accepted");
+    let (mut read, mut write) = tokio::io::split(tunnel);
+    let mut header = vec![b'E'];
+    header.extend([0u8; 16]);
+    write.write_all(&header).await.unwrap();
+    let completions = Arc::new(std::sync::Mutex::new(Vec::<Instant>::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let echo = {
+        let (completions, stop) = (completions.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut buf = [0u8; 16];
+            while !stop.load(Ordering::Relaxed) {
+                write.write_all(&[7u8; 16]).await.unwrap();
+                tokio::io::AsyncReadExt::read_exact(&mut read, &mut buf)
+                    .await
+                    .unwrap();
+                completions.lock().unwrap().push(Instant::now());
+            }
+        })
+    };
+    let port = setup.server.agent_port;
+    let mut pauses = Vec::new();
+    while pauses.len() < CUTS {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Taken before the kill: the pause includes ss's own few ms.
+        let cut = Instant::now();
+        if cut_agent_connections(port) == 0 {
+            continue;
+        }
+        let resumed = loop {
+            let after = completions.lock().unwrap().iter().copied().find(|at| *at > cut);
+            if let Some(at) = after {
+                break at;
+            }
+            assert!(
+                cut.elapsed() < Duration::from_secs(30),
+                "data did not flow again within 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        };
+        pauses.push(resumed - cut);
+        completions.lock().unwrap().clear();
+    }
+    stop.store(true, Ordering::Relaxed);
+    echo.await.unwrap();
+    pauses.sort();
+    let ms = |d: Duration| format!("{:.1}", d.as_secs_f64() * 1000.0);
+    println!("\n| agent connection cut (ss -K) {CUTS} times under a back-to-back 16-byte echo | ms |");
+    println!("|---|---:|");
+    println!(
+        "| time from the cut to data flowing again, p50 | {} |",
+        ms(pauses[CUTS / 2])
+    );
+    println!("| p90 | {} |", ms(pauses[CUTS * 9 / 10]));
+    println!("| max | {} |", ms(pauses[CUTS - 1]));
+}
