@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream)
+targets=(connect_head agent_identifiers capture cni_plugin server_stream agent_stream frontend_stream resume_handshake)
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "== installing cargo-fuzz (crates.io)"
