@@ -160,8 +160,6 @@ struct StreamGone;
 
 /// Packets queued towards the server.
 const OUTBOUND_QUEUE: usize = 256;
-/// RESUME entries per packet: a few hundred KiB at most.
-const RESUME_CHUNK: usize = 16 * 1024;
 
 /// What a session's packets arrive as.
 pub type Inbound = Pin<Box<dyn futures_util::Stream<Item = Result<Packet, tonic::Status>> + Send>>;
@@ -447,19 +445,8 @@ impl Session {
     /// ahead of everything queued.
     fn attach(&mut self, attached: &mut Attached, lost_at: Instant) {
         let (writer, ahead) = self.outbound.attach_resuming();
-        let list = self.endpoints.resume_list();
-        let mut chunks = list.chunks(RESUME_CHUNK).peekable();
-        if chunks.peek().is_none() {
-            ahead.send(Frame::Resume {
-                connections: Vec::new(),
-                last: true,
-            });
-        }
-        while let Some(chunk) = chunks.next() {
-            ahead.send(Frame::Resume {
-                connections: chunk.to_vec(),
-                last: chunks.peek().is_none(),
-            });
+        for frame in self.endpoints.resume_frames() {
+            ahead.send(frame);
         }
         let _ = take_body(attached).send(writer);
         self.detached = false;
@@ -476,14 +463,7 @@ impl Session {
     fn reconcile(&mut self, handshake: Handshake) {
         let Handshake { ahead, peer, lost_at } = handshake;
         let plan = self.endpoints.resume(&peer);
-        let resent: usize = plan
-            .resend
-            .iter()
-            .map(|frame| match frame {
-                Frame::Data { data, .. } => data.len(),
-                _ => 0,
-            })
-            .sum();
+        let resent = plan.resent_bytes();
         for frame in plan.resend {
             ahead.send(frame);
         }

@@ -141,6 +141,9 @@ impl<M, S> Default for Connections<M, S> {
     }
 }
 
+/// RESUME entries per packet: a few hundred KiB at most.
+const RESUME_CHUNK: usize = 16 * 1024;
+
 /// What a resume changes, for the session to carry out in this order: send
 /// `resend` (DATA the peer lacks), send the close again for `close_again`
 /// (closed here, still open there; with its error) and a close for
@@ -154,6 +157,19 @@ pub struct ResumePlan<M, S> {
     pub gone: Vec<(ConnectId, Entry<M, S>)>,
     /// Positions no packet we sent explains: the connection cannot resume.
     pub refused: Vec<(ConnectId, Entry<M, S>, OffsetError)>,
+}
+
+impl<M, S> ResumePlan<M, S> {
+    /// DATA bytes the plan sends again.
+    pub fn resent_bytes(&self) -> usize {
+        self.resend
+            .iter()
+            .map(|frame| match frame {
+                Frame::Data { data, .. } => data.len(),
+                _ => 0,
+            })
+            .sum()
+    }
 }
 
 impl<M: From<Bytes>, S> Connections<M, S> {
@@ -315,6 +331,26 @@ impl<M: From<Bytes>, S> Connections<M, S> {
             closing: true,
         });
         open.chain(closing).collect()
+    }
+
+    /// The RESUME list as the packets that carry it, the last one marked
+    /// (one empty packet when there is nothing to list).
+    pub fn resume_frames(&self) -> Vec<Frame> {
+        let list = self.resume_list();
+        if list.is_empty() {
+            return vec![Frame::Resume {
+                connections: Vec::new(),
+                last: true,
+            }];
+        }
+        let count = list.len().div_ceil(RESUME_CHUNK);
+        list.chunks(RESUME_CHUNK)
+            .enumerate()
+            .map(|(index, chunk)| Frame::Resume {
+                connections: chunk.to_vec(),
+                last: index + 1 == count,
+            })
+            .collect()
     }
 
     /// Reconciles this side's connections with the peer's RESUME list
@@ -743,5 +779,32 @@ mod tests {
             !ours.is_closing(id(1)),
             "the peer no longer listed 1: it took the close"
         );
+    }
+
+    #[test]
+    fn the_resume_list_travels_in_packets_the_last_one_marked() {
+        let mut table: Connections<Bytes, ()> = Connections::default();
+        assert_eq!(
+            table.resume_frames(),
+            vec![Frame::Resume {
+                connections: Vec::new(),
+                last: true
+            }]
+        );
+        let mut ports = Vec::new();
+        for n in 1..=(RESUME_CHUNK as i64 + 1) {
+            let (route, port, _) = connection(Extensions::Resume);
+            table.insert(id(n), route, ());
+            ports.push(port);
+        }
+        let frames = table.resume_frames();
+        let shape: Vec<(usize, bool)> = frames
+            .iter()
+            .map(|frame| match frame {
+                Frame::Resume { connections, last } => (connections.len(), *last),
+                other => panic!("expected RESUME, got {other:?}"),
+            })
+            .collect();
+        assert_eq!(shape, vec![(RESUME_CHUNK, false), (1, true)]);
     }
 }

@@ -21,9 +21,6 @@ use super::resume::{Attachment, Inbound, Takeover, Ticket};
 use super::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
 use crate::metrics::{DialFailure, Established, Segment, ServerMetrics};
 
-/// RESUME entries per packet: a few hundred KiB at most.
-const RESUME_CHUNK: usize = 16 * 1024;
-
 struct PendingDial {
     /// Becomes the connection's route once the dial succeeds.
     route: Route<Event>,
@@ -279,19 +276,8 @@ impl Session {
     /// ahead of everything queued, and hands the stream its writer.
     fn attach(&mut self, attachment: Attachment, lost_at: Instant) -> Inbound {
         let (writer, ahead) = self.backend.outbound.attach_resuming();
-        let list = self.connections.resume_list();
-        let mut chunks = list.chunks(RESUME_CHUNK).peekable();
-        if chunks.peek().is_none() {
-            ahead.send(Frame::Resume {
-                connections: Vec::new(),
-                last: true,
-            });
-        }
-        while let Some(chunk) = chunks.next() {
-            ahead.send(Frame::Resume {
-                connections: chunk.to_vec(),
-                last: chunks.peek().is_none(),
-            });
+        for frame in self.connections.resume_frames() {
+            ahead.send(frame);
         }
         // If the agent service gave up on the stream meanwhile, its inbound
         // ends at once and the stream counts as lost again.
@@ -310,14 +296,7 @@ impl Session {
     fn reconcile(&mut self, handshake: Handshake) {
         let Handshake { ahead, peer, lost_at } = handshake;
         let plan = self.connections.resume(&peer);
-        let resent: usize = plan
-            .resend
-            .iter()
-            .map(|frame| match frame {
-                Frame::Data { data, .. } => data.len(),
-                _ => 0,
-            })
-            .sum();
+        let resent = plan.resent_bytes();
         for frame in plan.resend {
             ahead.send(frame);
         }
