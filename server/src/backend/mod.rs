@@ -13,10 +13,12 @@ pub mod resume;
 pub mod session;
 pub(crate) mod strategy;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use konnectivity_mux::outbound::{Outbound, Writer, outbound};
 use konnectivity_mux::{Extensions, Route};
 use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, DialTarget, Frame};
@@ -157,10 +159,12 @@ impl Backend {
         self.draining.store(true, Ordering::Relaxed);
     }
 
-    /// Queues a frame for the agent, waiting while the queue is full.
-    pub async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
+    /// Queues a frame for the agent, waiting while the queue is full. Not an
+    /// `async fn`, for the reason
+    /// [`konnectivity_mux::outbound::Queueing`] gives.
+    pub fn send(&self, frame: Frame) -> impl Future<Output = Result<(), BackendGone>> + Send + '_ {
         self.metrics.packet(Segment::ToAgent, frame.kind());
-        self.outbound.send(frame.into()).await.map_err(|_| BackendGone)
+        self.outbound.send(frame.into()).map(|queued| queued.map_err(|_| BackendGone))
     }
 
     pub async fn command(&self, command: Command) -> Result<(), BackendGone> {
