@@ -364,6 +364,7 @@ async fn serve(
         sync_interval_cap: config.sync_interval_cap,
         cni: node.cni.clone(),
         handover_socket: node.handover_socket.clone(),
+        resume_timeout: config.resume_timeout,
     };
     let health = HealthService {
         addr: config.health_addr,

@@ -154,7 +154,7 @@ impl Default for AgentMetrics {
             // Ours.
             metrics.tunnels_ended = TunnelsEnded::register(registry);
             metrics.resumes = Resumes::register(registry);
-            metrics.node = Arc::new(NodeMetrics::register(registry));
+            metrics.node = Arc::new(NodeMetrics::register(registry, metrics.resumes.clone()));
             register(
                 registry,
                 "runtime_alive_tasks",

@@ -12,6 +12,9 @@ use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
+use futures_util::Stream;
+use tonic::Streaming;
+use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::stream::TunnelStream;
@@ -132,6 +135,24 @@ impl Tunnel {
             Ok(Err(status)) => Err(DialError::TunnelClosed(status.to_string())),
             Err(_) => Err(DialError::Timeout(timeout)),
         }
+    }
+
+    /// Opens a `Proxy` stream with extra request `headers`, whose body is
+    /// `body`: the raw form [`Tunnel::dial`] builds on, for callers that
+    /// speak our extensions (the node agent's resumable connections). The
+    /// answer is the server's packets and its response headers.
+    pub async fn open(
+        &self,
+        headers: Vec<(&'static str, AsciiMetadataValue)>,
+        body: impl Stream<Item = Packet> + Send + 'static,
+    ) -> Result<(Streaming<Packet>, MetadataMap), tonic::Status> {
+        let mut request = tonic::Request::new(body);
+        for (key, value) in headers {
+            request.metadata_mut().insert(key, value);
+        }
+        let response = self.client.clone().proxy(request).await?;
+        let headers = response.metadata().clone();
+        Ok((response.into_inner(), headers))
     }
 
     /// Dials `address` (`host:port`) through the server and an agent.

@@ -254,6 +254,19 @@ impl ReceiveGate {
         Ok(())
     }
 
+    /// As [`ReceiveGate::admit`] on a window the peer negotiated, which never
+    /// waits: a peer within its window always fits.
+    pub fn admit_negotiated(&self, len: usize) -> Result<(), Refused> {
+        match self.shared.budget.try_acquire_many(cost(len).min(WINDOW)) {
+            Ok(permit) => {
+                permit.forget();
+                Ok(())
+            }
+            Err(tokio::sync::TryAcquireError::Closed) => Err(Refused::Closed),
+            Err(tokio::sync::TryAcquireError::NoPermits) => Err(Refused::Overrun),
+        }
+    }
+
     /// Bytes the consumer has written out so far (kept with resume only).
     pub fn written(&self) -> u64 {
         self.shared.written.load(Ordering::Acquire)

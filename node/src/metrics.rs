@@ -1,7 +1,7 @@
 //! The node role's metrics, in the agent's registry
 //! (`konnectivity_network_proxy_agent_*`; none of them upstream's).
 
-use konnectivity_telemetry::metrics::{GoCounter, Labels, register};
+use konnectivity_telemetry::metrics::{GoCounter, Labels, Resumes, register};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -25,12 +25,18 @@ pub struct NodeMetrics {
     /// Whether the node tunnel answers its probes.
     pub node_tunnel_up: Gauge,
     captured: Family<Labels, GoCounter>,
+    /// Captured connections carried over to a new stream of the node
+    /// tunnel: the agent's resume counters, shared with its agent streams.
+    pub resumes: Resumes,
 }
 
 impl NodeMetrics {
     /// The node role's families, registered in the agent's `registry`.
-    pub fn register(registry: &mut Registry) -> NodeMetrics {
-        let metrics = NodeMetrics::default();
+    pub fn register(registry: &mut Registry, resumes: Resumes) -> NodeMetrics {
+        let metrics = NodeMetrics {
+            resumes,
+            ..NodeMetrics::default()
+        };
         register(
             registry,
             "captured_connections_open",
@@ -72,7 +78,7 @@ mod tests {
     #[test]
     fn the_node_families_are_written_under_the_agents_prefix() {
         let mut registry = Registry::with_prefix("konnectivity_network_proxy_agent");
-        let metrics = NodeMetrics::register(&mut registry);
+        let metrics = NodeMetrics::register(&mut registry, Resumes::default());
         metrics.captured(CaptureOutcome::Tunneled);
         metrics.captured(CaptureOutcome::TunnelUnavailable);
         metrics.node_tunnel_up.set(1);

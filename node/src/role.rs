@@ -78,6 +78,7 @@ pub async fn run(
         map: settings.captures.clone(),
         tunnel: tunnel_rx,
         metrics: metrics.clone(),
+        resume_timeout: settings.resume_timeout,
     });
     let mut background = tokio::task::JoinSet::new();
     // The tunnel first: an agent taking over must carry what it takes, and

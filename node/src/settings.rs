@@ -21,6 +21,9 @@ pub struct NodeSettings {
     pub cni: Option<CniSettings>,
     /// `--handover-socket`.
     pub handover_socket: Option<std::path::PathBuf>,
+    /// `--resume-timeout`: how long a captured connection whose stream of
+    /// the node tunnel was lost waits for a new one (0: reset at once).
+    pub resume_timeout: Duration,
 }
 
 #[derive(Clone, Debug)]

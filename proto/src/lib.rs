@@ -56,6 +56,10 @@ pub mod metadata {
     /// stream from the same agent with another instance means the process
     /// that held the lost streams is gone: they will not resume.
     pub const AGENT_INSTANCE: &str = "konnectivity-rs-agent-instance";
+    /// A node tunnel's `Proxy` stream that resumes a lost one (with
+    /// [`RESUME_TOKEN`]): the client's request header says how many bytes
+    /// it has received, the server's response header how many it has.
+    pub const RESUME_RECEIVED: &str = "konnectivity-rs-resume-received";
 }
 
 /// The largest gRPC message Go peers accept by default; we never send more.

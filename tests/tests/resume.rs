@@ -563,3 +563,64 @@ async fn resume_benchmark() {
     println!("| connections resumed by the server (one per cut) | {resumed} |");
     assert_eq!(resumed, CUTS as f64, "every cut was resumed");
 }
+
+/// The same through a node tunnel: the node agent's TCP connection to the
+/// node frontend killed 20 times (`ss -K` in the node's namespace) while a
+/// 200 MiB download through the `kubernetes` VIP runs (a watch's long-lived
+/// connection, held across every cut) and kubectl asks the API server
+/// through the VIP after each cut. The download arrives intact on its one
+/// connection, kubectl never fails, and the server counts the resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_cuts_of_the_node_tunnel_break_no_captured_connection() {
+    use crate::support::kas::*;
+
+    if !root_or_skip("twenty_cuts_of_the_node_tunnel_break_no_captured_connection") {
+        return;
+    }
+    const CUTS: usize = 20;
+    const NODE_RESUMED: &str = AGENT_RESUMED;
+    let topology = std::sync::Arc::new(build(true).await);
+    let _agent = topology.start_node_agent(&[]);
+    topology.wait_node_ready().await;
+
+    // At 8 MiB/s the 200 MiB last about 25 s: every cut lands in it.
+    let download = {
+        let topology = topology.clone();
+        tokio::task::spawn_blocking(move || {
+            topology.node.sh(&format!(
+                "curl -sS --max-time 120 --limit-rate 8M --cacert {} https://{VIP}/files/blob | sha256sum",
+                topology.pki.ca.display()
+            ))
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut cuts = 0;
+    for cut in 0..CUTS {
+        let killed = topology.node.sh(&format!(
+            "ss -K -t -n dst {SERVER_IP} dport = :{NODE_FRONTEND_PORT} | tail -n +2 | grep -c ."
+        ));
+        let killed: usize = String::from_utf8_lossy(&killed.stdout).trim().parse().unwrap_or(0);
+        assert!(killed >= 1, "cut {cut}: no node tunnel connection to kill");
+        cuts += 1;
+        let kubectl = topology.kubectl_get_raw(&topology.node, "/version");
+        assert!(kubectl.status.success(), "kubectl after cut {cut}: {}", text(&kubectl));
+        assert!(String::from_utf8_lossy(&kubectl.stdout).contains("v1.31.0-konnectivity-standin"));
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    let download = download.await.unwrap();
+    assert!(download.status.success(), "{}", text(&download));
+    assert!(
+        String::from_utf8_lossy(&download.stdout).starts_with(&topology.blob_sha256),
+        "the download through {cuts} cuts of the node tunnel arrived changed or cut short: {}",
+        text(&download)
+    );
+    let resumed = topology
+        .control_plane
+        .metric(SERVER_HEALTH, SERVER_RESUMED)
+        .unwrap_or(0.0);
+    let node_resumed = topology.node.metric(NODE_AGENT_HEALTH, NODE_RESUMED).unwrap_or(0.0);
+    assert!(
+        resumed >= CUTS as f64 && node_resumed >= CUTS as f64,
+        "the download's connection resumed after every cut: server {resumed}, node agent {node_resumed}"
+    );
+}

@@ -12,6 +12,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::capture::map::{CaptureMap, OrigDst};
+use crate::capture::resumable::{self, ResumeContext};
 use crate::metrics::{CaptureOutcome, NodeMetrics};
 
 /// What every captured connection needs.
@@ -20,7 +21,14 @@ pub(crate) struct CaptureContext {
     /// The node tunnel, once connected.
     pub tunnel: watch::Receiver<Option<Tunnel>>,
     pub metrics: Arc<NodeMetrics>,
+    /// `--resume-timeout`: how long a connection whose stream was lost
+    /// waits for a new one (zero: it is reset at once).
+    pub resume_timeout: Duration,
 }
+
+/// How long a captured connection's dial may take (the agent's own dial
+/// timeout is shorter: this only bounds a server that does not answer).
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Accepts captured connections until the task is dropped.
 pub(crate) async fn serve(listener: Arc<TcpListener>, context: Arc<CaptureContext>) {
@@ -75,8 +83,13 @@ async fn handle(mut connection: TcpStream, context: Arc<CaptureContext>) {
         metrics.captured(CaptureOutcome::TunnelUnavailable);
         return reset(connection);
     };
-    let mut stream = match tunnel.dial(&target.to_string()).await {
-        Ok(stream) => stream,
+    let resume = ResumeContext {
+        tunnels: context.tunnel.clone(),
+        timeout: context.resume_timeout,
+        metrics: metrics.resumes.clone(),
+    };
+    let dialed = match resumable::dial(&tunnel, &target.to_string(), &resume, DIAL_TIMEOUT).await {
+        Ok(dialed) => dialed,
         Err(error) => {
             tracing::warn!(%orig, %target, %error, "captured connection could not be tunneled");
             metrics.captured(CaptureOutcome::DialFailed);
@@ -85,7 +98,7 @@ async fn handle(mut connection: TcpStream, context: Arc<CaptureContext>) {
     };
     metrics.captured(CaptureOutcome::Tunneled);
     let _open = GaugeGuard::new(&metrics.captured_connections_open);
-    if let Err(error) = tokio::io::copy_bidirectional(&mut connection, &mut stream).await {
+    if let Err(error) = resumable::relay(&mut connection, dialed, resume).await {
         tracing::debug!(%orig, %error, "captured connection ended with an error");
         reset(connection);
     }

@@ -1,6 +1,8 @@
-//! Agent streams whose connections outlive them (docs/resume.md): the
-//! token each resumable stream is given, and the check a new stream passes
-//! to take over a lost one's session.
+//! Streams whose connections outlive them (docs/resume.md): the token each
+//! resumable stream is given, and the check a new stream passes to take over
+//! a lost one's session. Agent streams and node tunnels' `Proxy` streams
+//! (`crate::frontend::resume`) share it; `A` is what a resuming stream hands
+//! the session it resumes.
 //!
 //! A token names the session and carries a random secret; the server also
 //! keeps who the stream's agent proved to be (its id, and its token's user
@@ -30,10 +32,11 @@ pub struct Attachment {
     pub writer: oneshot::Sender<Writer>,
 }
 
-/// What reaches a resumable session from the agent service.
-pub enum Takeover {
+/// What reaches a resumable session from the service that accepted a new
+/// stream.
+pub enum Takeover<A = Attachment> {
     /// A stream that resumes it.
-    Resume(Attachment),
+    Resume(A),
     /// The same agent opened a new stream without this session's token: the
     /// process that held it is gone (a restart), and with it the other end
     /// of every connection, so a session waiting for a resume ends now.
@@ -54,39 +57,39 @@ impl std::fmt::Display for PeerIdentity {
     }
 }
 
-struct Resumable {
+struct Resumable<A> {
     secret: [u8; 16],
     identity: PeerIdentity,
     /// The agent process's id (`konnectivity-rs-agent-instance`), if sent.
     instance: Option<String>,
-    attach: mpsc::Sender<Takeover>,
+    attach: mpsc::Sender<Takeover<A>>,
 }
 
 /// The server's resumable sessions, by session id.
-pub struct Resumption {
+pub struct Resumption<A = Attachment> {
     /// `--agent-resume-timeout`: how long a lost stream's connections wait.
     pub timeout: Duration,
     server_id: String,
-    sessions: Mutex<HashMap<u64, Resumable>>,
+    sessions: Mutex<HashMap<u64, Resumable<A>>>,
 }
 
 /// A session's registration: its token, and the streams that resume it.
 /// Dropping it (the session ended) makes the token unknown.
-pub struct Ticket {
+pub struct Ticket<A = Attachment> {
     pub token: String,
-    pub attachments: mpsc::Receiver<Takeover>,
+    pub attachments: mpsc::Receiver<Takeover<A>>,
     id: u64,
-    resumption: Arc<Resumption>,
+    resumption: Arc<Resumption<A>>,
 }
 
-impl Drop for Ticket {
+impl<A> Drop for Ticket<A> {
     fn drop(&mut self) {
         self.resumption.sessions().remove(&self.id);
     }
 }
 
-impl Resumption {
-    pub fn new(timeout: Duration, server_id: &str) -> Arc<Resumption> {
+impl<A> Resumption<A> {
+    pub fn new(timeout: Duration, server_id: &str) -> Arc<Resumption<A>> {
         Arc::new(Resumption {
             timeout,
             server_id: server_id.to_owned(),
@@ -94,12 +97,12 @@ impl Resumption {
         })
     }
 
-    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Resumable>> {
+    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Resumable<A>>> {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Registers a new resumable session of `identity`.
-    pub fn issue(self: &Arc<Self>, identity: PeerIdentity, instance: Option<String>) -> Ticket {
+    pub fn issue(self: &Arc<Self>, identity: PeerIdentity, instance: Option<String>) -> Ticket<A> {
         let mut rng = rand::rng();
         let mut secret = [0u8; 16];
         rng.fill_bytes(&mut secret);
@@ -136,7 +139,7 @@ impl Resumption {
         &self,
         offered: &[&str],
         identity: &PeerIdentity,
-    ) -> Result<Option<mpsc::Sender<Takeover>>, Status> {
+    ) -> Result<Option<mpsc::Sender<Takeover<A>>>, Status> {
         let Some(token) = offered.iter().find_map(|offered| {
             let (token, server_id) = offered.split_once('@')?;
             (server_id == self.server_id).then_some(token)
@@ -225,7 +228,7 @@ mod tests {
     /// a session that ended is unknown.
     #[test]
     fn a_token_resumes_only_its_session_for_its_identity() {
-        let resumption = Resumption::new(Duration::from_secs(60), "server-a");
+        let resumption: Arc<Resumption> = Resumption::new(Duration::from_secs(60), "server-a");
         let agent = identity(
             "agent-1",
             "user system:serviceaccount:kube-system:konnectivity-agent",

@@ -10,13 +10,21 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use futures_util::{Stream, StreamExt};
+use konnectivity_mux::outbound::{Outbound, outbound};
+use konnectivity_mux::replay::Arrival;
+use konnectivity_plumbing::tls::certificate_names;
+use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
 use konnectivity_proto::wire::proxy_service_server::ProxyService;
 use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
 use konnectivity_telemetry::metrics::GaugeGuard;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::AsciiMetadataValue;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
 
+use super::resume::{ClientAttachment, StreamResume, response_body};
+use crate::backend::resume::{PeerIdentity, Resumption, Takeover};
 use crate::metrics::{Segment, ServerMetrics};
 use crate::tunnel::{DialError, Dialer, TunnelConn, TunnelEnd};
 
@@ -32,29 +40,119 @@ type ToClient = Box<Result<Packet, Status>>;
 
 pub(crate) struct ProxyServer {
     dialer: Dialer,
+    /// The node frontend's resumable streams (super::resume), unless
+    /// `--agent-resume-timeout=0`; never on kube-apiserver's frontend.
+    resumption: Option<Arc<Resumption<ClientAttachment>>>,
 }
 
 impl ProxyServer {
-    pub(crate) fn new(dialer: Dialer) -> Self {
-        ProxyServer { dialer }
+    pub(crate) fn new(dialer: Dialer, resumption: Option<Arc<Resumption<ClientAttachment>>>) -> Self {
+        ProxyServer { dialer, resumption }
     }
 }
 
+/// What a Proxy stream's response carries.
+pub(crate) type ResponseBody = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl ProxyService for ProxyServer {
-    type ProxyStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+    type ProxyStream = ResponseBody;
 
     async fn proxy(
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ProxyStream>, Status> {
+        if let Some(resumption) = &self.resumption {
+            let metadata = request.metadata();
+            if metadata.get(RESUME_TOKEN).is_some() {
+                return resume_client(resumption, request).await;
+            }
+            if metadata.get(RESUME).is_some_and(|value| value == "1") {
+                return Ok(serve_resumable(self.dialer.clone(), resumption, request));
+            }
+        }
         let packets = serve_client(self.dialer.clone(), request.into_inner());
         Ok(Response::new(Box::pin(packets)))
     }
 }
 
+/// Who a node tunnel's client proved to be: its certificate's names. A
+/// stream resumes only a stream of the same names.
+fn client_identity<T>(request: &Request<T>) -> PeerIdentity {
+    let names = request
+        .extensions()
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
+        .and_then(TlsConnectInfo::peer_certs)
+        .and_then(|certs| certs.first().map(|cert| certificate_names(cert)))
+        .unwrap_or_default();
+    PeerIdentity {
+        agent_id: "node tunnel".to_owned(),
+        proof: format!("certificate {names:?}"),
+    }
+}
+
+/// A new resumable stream: served as any other, with a token in its
+/// response headers and its packets through a queue that outlives it.
+fn serve_resumable(
+    dialer: Dialer,
+    resumption: &Arc<Resumption<ClientAttachment>>,
+    request: Request<Streaming<Packet>>,
+) -> Response<ResponseBody> {
+    let ticket = resumption.issue(client_identity(&request), None);
+    let token = AsciiMetadataValue::try_from(ticket.token.as_str()).ok();
+    let queue = outbound(TO_CLIENT_QUEUE);
+    let writer = queue.attach();
+    let resume = StreamResume::new(ticket, resumption.timeout, queue.clone(), dialer.metrics.resumes.clone());
+    spawn_stream(
+        dialer,
+        Box::pin(request.into_inner()),
+        ToClientQueue::Resumable(queue),
+        Some(Box::new(resume)),
+    );
+    let mut response = Response::new(response_body(writer));
+    if let Some(token) = token {
+        response.metadata_mut().insert(RESUME_TOKEN, token);
+    }
+    response
+}
+
+/// A stream that offers a token: it takes over the stream the token names,
+/// or is refused with the reason.
+async fn resume_client(
+    resumption: &Resumption<ClientAttachment>,
+    request: Request<Streaming<Packet>>,
+) -> Result<Response<ResponseBody>, Status> {
+    let metadata = request.metadata();
+    let token = metadata.get(RESUME_TOKEN).and_then(|value| value.to_str().ok()).unwrap_or_default();
+    let received = metadata
+        .get(RESUME_RECEIVED)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
+        .ok_or_else(|| {
+            Status::invalid_argument(format!("resume refused: {RESUME_RECEIVED} must be one byte count"))
+        })?;
+    let identity = client_identity(&request);
+    let session = resumption
+        .find(&[token], &identity)
+        .inspect_err(|refused| tracing::warn!(error = refused.message(), "node tunnel stream's resume refused"))?
+        .ok_or_else(|| Status::not_found("resume refused: the token names another proxy-server"))?;
+    let gone = || Status::not_found("resume refused: the stream's connection has ended");
+    let (answer, answered) = oneshot::channel();
+    let attachment = ClientAttachment {
+        inbound: Box::pin(request.into_inner()),
+        received,
+        answer,
+    };
+    session.send(Takeover::Resume(attachment)).await.map_err(|_| gone())?;
+    let (writer, server_received) = answered.await.map_err(|_| gone())??;
+    let mut response = Response::new(response_body(writer));
+    if let Ok(value) = AsciiMetadataValue::try_from(server_received.to_string()) {
+        response.metadata_mut().insert(RESUME_RECEIVED, value);
+    }
+    Ok(response)
+}
+
 /// What a client sends on its Proxy stream.
-type ClientPackets = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send + Sync>>;
+pub(crate) type ClientPackets = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send + Sync>>;
 
 /// Serves one client's Proxy stream: `packets` is what the client sends, the
 /// stream returned what it receives. (Public for the fuzz target, which
@@ -64,12 +162,17 @@ pub fn serve_client(
     packets: impl Stream<Item = Result<Packet, Status>> + Send + Sync + 'static,
 ) -> impl Stream<Item = Result<Packet, Status>> + Send + Unpin + 'static {
     let (to_client, received) = mpsc::channel::<ToClient>(TO_CLIENT_QUEUE);
+    spawn_stream(dialer, Box::pin(packets), ToClientQueue::Plain(to_client), None);
+    ReceiverStream::new(received).map(|packet| *packet)
+}
+
+fn spawn_stream(dialer: Dialer, packets: ClientPackets, to_client: ToClientQueue, resume: Option<Box<StreamResume>>) {
     let open = GaugeGuard::new(&dialer.metrics.grpc_connections("Proxy"));
     tokio::spawn(async move {
         let _open = open;
         let mut stream = ClientStream {
             inbound: ClientInbound {
-                packets: Box::pin(packets),
+                packets,
                 metrics: dialer.metrics.clone(),
                 failure: None,
             },
@@ -77,15 +180,21 @@ pub fn serve_client(
                 to_client,
                 metrics: dialer.metrics.clone(),
             },
+            resume,
         };
         stream.serve(&dialer).await;
-        // A stream that failed on the client's side (a message over the
-        // size limit, say) ends with that status rather than silently.
-        if let Some(status) = stream.inbound.failure.take() {
-            let _ = stream.outbound.to_client.send(Box::new(Err(status))).await;
+        match &stream.outbound.to_client {
+            // A stream that failed on the client's side (a message over the
+            // size limit, say) ends with that status rather than silently.
+            ToClientQueue::Plain(to_client) => {
+                if let Some(status) = stream.inbound.failure.take() {
+                    let _ = to_client.send(Box::new(Err(status))).await;
+                }
+            }
+            // Its writer sends what is queued (the CLOSE_RSP), then ends.
+            ToClientQueue::Resumable(queue) => queue.close(),
         }
     });
-    ReceiverStream::new(received).map(|packet| *packet)
 }
 
 /// One client's Proxy stream, as two halves so that both directions of an
@@ -93,6 +202,8 @@ pub fn serve_client(
 struct ClientStream {
     inbound: ClientInbound,
     outbound: ClientOutbound,
+    /// Boxed: kube-apiserver's streams (most of them) never have it.
+    resume: Option<Box<StreamResume>>,
 }
 
 /// What the client sends.
@@ -105,8 +216,15 @@ struct ClientInbound {
 
 /// What goes back to the client.
 struct ClientOutbound {
-    to_client: mpsc::Sender<ToClient>,
+    to_client: ToClientQueue,
     metrics: Arc<ServerMetrics>,
+}
+
+/// The queue towards the client: a channel into the one response, or, for
+/// a resumable stream, a queue each resuming stream's response drains.
+enum ToClientQueue {
+    Plain(mpsc::Sender<ToClient>),
+    Resumable(Outbound),
 }
 
 /// The client's stream is gone (it ended, failed, or stopped reading).
@@ -123,14 +241,23 @@ enum RelayEnd {
 impl ClientOutbound {
     async fn send(&self, frame: Frame) -> Result<(), ClientGone> {
         self.metrics.packet(Segment::ToClient, frame.kind());
-        self.to_client
-            .send(Box::new(Ok(frame.into())))
-            .await
-            .map_err(|_| ClientGone)
+        match &self.to_client {
+            ToClientQueue::Plain(to_client) => to_client
+                .send(Box::new(Ok(frame.into())))
+                .await
+                .map_err(|_| ClientGone),
+            ToClientQueue::Resumable(queue) => queue.send(frame.into()).await.map_err(|_| ClientGone),
+        }
     }
 }
 
 impl ClientInbound {
+    /// A resuming stream's packets replace the lost stream's.
+    fn resumed(&mut self, packets: ClientPackets) {
+        self.packets = packets;
+        self.failure = None;
+    }
+
     /// The next valid frame from the client; `None` when its stream ended.
     async fn next_frame(&mut self) -> Option<Frame> {
         loop {
@@ -259,15 +386,56 @@ impl ClientStream {
         let tunnel = life.span();
         let inbound = &mut self.inbound;
         let outbound = &self.outbound;
+        let mut resume = self.resume.as_deref_mut();
+        let window = resume.as_ref().map(|resume| resume.window.clone());
         let to_agent =
             async {
                 loop {
-                    match inbound.next_frame().await {
-                    Some(Frame::Data { connect_id: id, data, .. }) if id == connect_id => {
+                    let frame = match &mut resume {
+                        None => inbound.next_frame().await,
+                        Some(resume) => tokio::select! {
+                            frame = inbound.next_frame() => frame,
+                            // The client resumed on a new stream before this
+                            // one failed here (a silent link, say).
+                            Some(Takeover::Resume(attachment)) = resume.ticket.attachments.recv() => {
+                                if let Some(packets) = resume.attach(connect_id, attachment) {
+                                    inbound.resumed(packets);
+                                }
+                                continue;
+                            }
+                        },
+                    };
+                    match frame {
+                    Some(Frame::Data { connect_id: id, data, offset }) if id == connect_id => {
+                        let len = data.len();
+                        if let Some(resume) = &resume {
+                            match resume.admit(offset, len) {
+                                Ok(Arrival::Next) => {}
+                                Ok(Arrival::Duplicate) => continue,
+                                Err(error) => {
+                                    tunnel.in_scope(|| tracing::warn!(%error, "closing resumable frontend stream"));
+                                    return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
+                                }
+                            }
+                        }
                         if sender.send(data).await.is_err() {
                             // Gone on the agent's side: the other direction
                             // learns how and answers the client.
                             std::future::pending::<()>().await;
+                        }
+                        if let Some(resume) = &mut resume
+                            && let Some(credit) = resume.credit.consumed(len)
+                        {
+                            let _ = outbound.send(credit.frame(connect_id)).await;
+                        }
+                    }
+                    Some(Frame::WindowUpdate { connect_id: id, bytes, written }) if id == connect_id && resume.is_some() => {
+                        if let Some(resume) = &resume
+                            && let Err(error) = resume.window.grant(bytes, written)
+                        {
+                            let error = error.to_string();
+                            tunnel.in_scope(|| tracing::warn!(%error, "closing resumable frontend stream"));
+                            return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
                         }
                     }
                     Some(Frame::Data {
@@ -286,10 +454,20 @@ impl ClientStream {
                     Some(other) => tunnel.in_scope(
                         || tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream"),
                     ),
-                    None if inbound.failure.is_some() => {
-                        return (RelayEnd::ClientGone, TunnelEnd::ClientError);
+                    None => {
+                        // Rare, and boxed so that the wait does not make
+                        // every tunnel's task larger.
+                        if let Some(resume) = &mut resume
+                            && let Some(packets) = Box::pin(resume.wait_for_resume(connect_id)).await
+                        {
+                            inbound.resumed(packets);
+                            continue;
+                        }
+                        return match inbound.failure.is_some() {
+                            true => (RelayEnd::ClientGone, TunnelEnd::ClientError),
+                            false => (RelayEnd::ClientGone, TunnelEnd::ClientClosed),
+                        };
                     }
-                    None => return (RelayEnd::ClientGone, TunnelEnd::ClientClosed),
                 }
                 }
             };
@@ -298,15 +476,22 @@ impl ClientStream {
                 match receiver.recv().await {
                     Ok(data) => {
                         let started = Instant::now();
-                        if outbound
-                            .send(Frame::Data {
+                        let frame = match &window {
+                            None => Frame::Data {
                                 connect_id,
                                 data,
                                 offset: None,
-                            })
-                            .await
-                            .is_err()
-                        {
+                            },
+                            // Numbered and kept until the client wrote it
+                            // out, at most a window of it.
+                            Some(window) => {
+                                if window.reserve(data.len()).await.is_err() {
+                                    return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
+                                }
+                                window.data(connect_id, data)
+                            }
+                        };
+                        if outbound.send(frame).await.is_err() {
                             return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
                         }
                         metrics

@@ -5,6 +5,7 @@ pub(crate) mod connect;
 pub(crate) mod grpc;
 pub(crate) mod listen;
 pub(crate) mod preface;
+pub(crate) mod resume;
 pub(crate) mod stream;
 
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use konnectivity_plumbing::tls;
 use konnectivity_proto::wire::proxy_service_server::ProxyServiceServer;
 use tokio::task::JoinHandle;
 
+use crate::backend::resume::Resumption;
 use crate::config::{Config, FrontendListen, Mode};
 use crate::policy::FrontendClass;
 use crate::serving::{ServeError, bind_tcp, grpc_server, tls_incoming};
@@ -82,13 +84,13 @@ pub(crate) async fn start(
             // grpc-go names the socket path as :authority; see `authority`.
             let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener)
                 .map(|stream| stream.map(RequireHttp2::new));
-            let server = grpc_frontend(dialer, keepalive, Authority::AnyOnTheSocket);
+            let server = grpc_frontend(dialer, keepalive, Authority::AnyOnTheSocket, None);
             tokio::spawn(serve_grpc(server, incoming, watcher))
         }
         (Mode::Grpc, Bound::Tls(listener, tls)) => {
             let incoming = tls_incoming(listener, *tls, "frontend", Some(watcher.clone()))
                 .map(|stream| stream.map(RequireHttp2::new));
-            let server = grpc_frontend(dialer, keepalive, Authority::WellFormed);
+            let server = grpc_frontend(dialer, keepalive, Authority::WellFormed, None);
             tokio::spawn(serve_grpc(server, incoming, watcher))
         }
     };
@@ -120,7 +122,11 @@ pub(crate) async fn start_node(
         tunnel_limit: Limit::from_flag("max-tunnels-per-frontend", config.max_tunnels_per_frontend),
         ..dialer.clone()
     };
-    let server = grpc_frontend(node_dialer, config.frontend_keepalive, Authority::WellFormed);
+    // A node tunnel's streams may resume (resume::StreamResume); the
+    // agents' streams and theirs share one timeout.
+    let resumption =
+        (!config.agent_resume_timeout.is_zero()).then(|| Resumption::new(config.agent_resume_timeout, &config.server_id));
+    let server = grpc_frontend(node_dialer, config.frontend_keepalive, Authority::WellFormed, resumption);
     let watcher = watcher.clone();
     Ok(Some(tokio::spawn(async move {
         if let Err(error) = serve_grpc(server, incoming, watcher).await {
@@ -144,7 +150,12 @@ type GrpcFrontend = tonic::transport::server::Router<
 
 /// The gRPC frontend's server: ProxyService only, with windows sized for
 /// bulk transfers on a single stream.
-fn grpc_frontend(dialer: Dialer, keepalive: Option<Duration>, authority: Authority) -> GrpcFrontend {
+fn grpc_frontend(
+    dialer: Dialer,
+    keepalive: Option<Duration>,
+    authority: Authority,
+    resumption: Option<Arc<Resumption<resume::ClientAttachment>>>,
+) -> GrpcFrontend {
     grpc_server(keepalive)
         .layer(RefuseUnparsedAuthorityLayer {
             refuse: matches!(authority, Authority::WellFormed),
@@ -152,7 +163,7 @@ fn grpc_frontend(dialer: Dialer, keepalive: Option<Duration>, authority: Authori
         .initial_stream_window_size(Some(4 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
         .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
-        .add_service(ProxyServiceServer::new(grpc::ProxyServer::new(dialer)))
+        .add_service(ProxyServiceServer::new(grpc::ProxyServer::new(dialer, resumption)))
 }
 
 /// Serves a gRPC frontend until the drain is signalled, then sends GOAWAY

@@ -1,0 +1,367 @@
+//! A captured connection on its own `Proxy` stream of the node tunnel,
+//! which outlives that stream (docs/resume.md, "Node tunnels").
+//!
+//! The dial asks the server to make the stream resumable. A server that
+//! agrees answers with a token; both sides then number their DATA, keep what
+//! the other has not written out (at most a window per direction), and
+//! acknowledge what they wrote. When the stream is lost (the tunnel's TCP
+//! connection reset, or the tunnel replaced after its probes went
+//! unanswered), the connection waits, and a new `Proxy` stream on the
+//! current tunnel offers the token and what was received; each side sends
+//! again what the other lacks, and the captured client sees a pause. A
+//! server that does not agree (upstream's, or `--agent-resume-timeout=0`)
+//! gets the plain protocol, and a lost stream resets the connection.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use konnectivity_client::{DialError, Tunnel};
+use konnectivity_mux::Extensions;
+use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
+use konnectivity_mux::outbound::{Outbound, outbound};
+use konnectivity_mux::replay::{Arrival, arrival};
+use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+use konnectivity_proto::{ConnectId, DATA_CHUNK, DialId, Frame, Packet};
+use konnectivity_telemetry::metrics::Resumes;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
+use tokio::sync::watch;
+use tonic::Streaming;
+use tonic::metadata::AsciiMetadataValue;
+
+/// Packets queued towards the server on one connection's stream.
+const QUEUE: usize = 64;
+/// How long one attempt to resume may take before the next.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The pause between attempts that failed for want of a connection.
+const RETRY_AFTER: Duration = Duration::from_millis(100);
+/// The server's text for "no backend", as upstream servers write it.
+const NO_AGENT: &str = "No agent available";
+
+/// What every resumable connection shares.
+#[derive(Clone)]
+pub(crate) struct ResumeContext {
+    /// The node tunnel now; replaced when its probes go unanswered.
+    pub tunnels: watch::Receiver<Option<Tunnel>>,
+    /// `--resume-timeout`; zero asks for nothing.
+    pub timeout: Duration,
+    pub metrics: Resumes,
+}
+
+/// A dialed connection and its stream.
+pub(crate) struct Dialed {
+    connect_id: ConnectId,
+    queue: Outbound,
+    inbound: Streaming<Packet>,
+    /// The server's token, when it made the stream resumable.
+    token: Option<AsciiMetadataValue>,
+}
+
+/// Dials `target` on `tunnel`, asking for a resumable stream when the
+/// context allows it.
+pub(crate) async fn dial(
+    tunnel: &Tunnel,
+    target: &str,
+    context: &ResumeContext,
+    timeout: Duration,
+) -> Result<Dialed, DialError> {
+    let dial_id = DialId::random();
+    let queue = outbound(QUEUE);
+    let request = Frame::DialRequest {
+        protocol: "tcp".to_owned(),
+        address: target.into(),
+        dial_id,
+    };
+    queue.try_send(request.into());
+    let headers = match context.timeout.is_zero() {
+        true => Vec::new(),
+        false => vec![(RESUME, AsciiMetadataValue::from_static("1"))],
+    };
+    let handshake = async {
+        let (mut inbound, headers) = tunnel
+            .open(headers, queue.attach())
+            .await
+            .map_err(|status| DialError::TunnelClosed(status.to_string()))?;
+        loop {
+            let packet = inbound
+                .message()
+                .await
+                .map_err(|status| DialError::TunnelClosed(status.to_string()))?
+                .ok_or_else(|| DialError::TunnelClosed("stream ended before DIAL_RSP".to_owned()))?;
+            match Frame::try_from(packet) {
+                Ok(Frame::DialResponse { dial_id: id, result }) if id == dial_id => {
+                    return match result {
+                        Ok(connect_id) => Ok((connect_id, inbound, headers.get(RESUME_TOKEN).cloned())),
+                        Err(error) if error == NO_AGENT => Err(DialError::NoAgent),
+                        Err(error) => Err(DialError::Failed(error)),
+                    };
+                }
+                Ok(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet before DIAL_RSP"),
+                Err(error) => tracing::warn!(%error, "invalid packet before DIAL_RSP"),
+            }
+        }
+    };
+    match tokio::time::timeout(timeout, handshake).await {
+        Ok(Ok((connect_id, inbound, token))) => Ok(Dialed {
+            connect_id,
+            queue,
+            inbound,
+            token,
+        }),
+        Ok(Err(error)) => {
+            queue.close();
+            Err(error)
+        }
+        Err(_) => {
+            // Still pending on the server: cancel it there.
+            queue.try_send(Frame::CloseDial { dial_id }.into());
+            queue.close();
+            Err(DialError::Timeout(timeout))
+        }
+    }
+}
+
+/// Why a relayed connection ended other than cleanly.
+type Failure = String;
+
+/// Carries `socket` over the dialed stream until either side closes it.
+/// `Ok` when the remote end closed cleanly; an error (the socket is then
+/// reset by the caller) when it failed or could not be resumed.
+pub(crate) async fn relay(socket: &mut TcpStream, dialed: Dialed, context: ResumeContext) -> Result<(), Failure> {
+    let Dialed {
+        connect_id,
+        queue,
+        inbound,
+        token,
+    } = dialed;
+    let extensions = match token {
+        Some(_) => Extensions::Resume,
+        None => Extensions::Upstream,
+    };
+    let window = SendWindow::new(extensions);
+    let (gate, credit) = receive_window(extensions);
+    let (read, write) = socket.split();
+    let close_requested = Arc::new(AtomicBool::new(false));
+    let mut down = Down {
+        connect_id,
+        queue: queue.clone(),
+        inbound,
+        token,
+        window: window.clone(),
+        gate,
+        credit,
+        context,
+        close_requested: close_requested.clone(),
+    };
+    let up = up(read, connect_id, queue.clone(), window, close_requested);
+    let outcome = tokio::select! {
+        outcome = down.run(write) => outcome,
+        // Only a queue closed ends it: the stream's side decides the rest.
+        () = up => Err("the connection's stream ended".to_owned()),
+    };
+    // Its writer sends what is queued, then ends the stream cleanly.
+    queue.close();
+    outcome
+}
+
+/// The captured client's bytes, numbered (with resume) and queued for the
+/// server. They wait for window credit, never for a stream: the queue
+/// outlives each stream under it. On the client's end of stream, CLOSE_REQ
+/// (the protocol has no half-close).
+async fn up(
+    read: ReadHalf<'_>,
+    connect_id: ConnectId,
+    queue: Outbound,
+    window: SendWindow,
+    close_requested: Arc<AtomicBool>,
+) {
+    loop {
+        if read.readable().await.is_err() {
+            break;
+        }
+        // A fresh buffer for each read: an idle connection holds none.
+        let mut buf = BytesMut::with_capacity(DATA_CHUNK);
+        match read.try_read_buf(&mut buf) {
+            Ok(0) => break,
+            Ok(_) => {
+                let data = buf.freeze();
+                if window.reserve(data.len()).await.is_err() {
+                    return std::future::pending().await;
+                }
+                let frame = window.data(connect_id, data);
+                if queue.send(frame.into()).await.is_err() {
+                    return;
+                }
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => break,
+        }
+    }
+    close_requested.store(true, Ordering::Release);
+    let _ = queue.send(Frame::CloseRequest { connect_id }.into()).await;
+    // The answer (CLOSE_RSP) ends the relay.
+    std::future::pending().await
+}
+
+/// The server's side: its DATA to the client, its acknowledgements, and the
+/// stream itself, resumed when it is lost.
+struct Down {
+    connect_id: ConnectId,
+    queue: Outbound,
+    inbound: Streaming<Packet>,
+    token: Option<AsciiMetadataValue>,
+    window: SendWindow,
+    gate: ReceiveGate,
+    credit: ReceiveCredit,
+    context: ResumeContext,
+    close_requested: Arc<AtomicBool>,
+}
+
+impl Down {
+    async fn run(&mut self, mut write: WriteHalf<'_>) -> Result<(), Failure> {
+        loop {
+            let next = tokio::select! {
+                next = self.inbound.message() => next,
+                // The tunnel was replaced (its probes went unanswered): this
+                // stream's connection is as good as gone.
+                Ok(()) = self.context.tunnels.changed(), if self.token.is_some() => {
+                    Err(tonic::Status::unavailable("the node tunnel was replaced"))
+                }
+            };
+            // Boxed: rare, and its state would otherwise sit in every
+            // captured connection's task.
+            let packet = match next {
+                Ok(Some(packet)) => packet,
+                Ok(None) => {
+                    Box::pin(self.lost("the tunnel stream ended without CLOSE_RSP".to_owned())).await?;
+                    continue;
+                }
+                Err(status) => {
+                    Box::pin(self.lost(format!("the tunnel stream failed: {status}"))).await?;
+                    continue;
+                }
+            };
+            match Frame::try_from(packet) {
+                Ok(Frame::Data { connect_id, data, offset }) if connect_id == self.connect_id => {
+                    if self.token.is_some() {
+                        let offset = offset.ok_or("DATA without an offset on a resumable stream")?;
+                        match arrival(self.gate.written(), offset, data.len()).map_err(|gap| gap.to_string())? {
+                            Arrival::Next => self.gate.admit_negotiated(data.len()).map_err(|e| e.to_string())?,
+                            Arrival::Duplicate => continue,
+                        }
+                    }
+                    write.write_all(&data).await.map_err(|error| error.to_string())?;
+                    if let Some(credit) = self.credit.consumed(data.len()) {
+                        let _ = self.queue.send(credit.frame(self.connect_id).into()).await;
+                    }
+                }
+                Ok(Frame::WindowUpdate {
+                    connect_id,
+                    bytes,
+                    written,
+                }) if connect_id == self.connect_id => {
+                    self.window.grant(bytes, written).map_err(|error| error.to_string())?;
+                }
+                Ok(Frame::CloseResponse { error: None, .. }) => {
+                    let _ = write.shutdown().await;
+                    return Ok(());
+                }
+                Ok(Frame::CloseResponse { error: Some(error), .. }) => return Err(error),
+                Ok(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet on a tunnel stream"),
+                Err(error) => tracing::warn!(%error, "invalid packet on a tunnel stream"),
+            }
+        }
+    }
+
+    /// The stream is lost: resume on the current tunnel within the resume
+    /// timeout, or fail with `why`.
+    async fn lost(&mut self, why: String) -> Result<(), Failure> {
+        let Some(token) = self.token.clone() else {
+            return Err(why);
+        };
+        self.queue.detach();
+        let lost_at = Instant::now();
+        let deadline = lost_at + self.context.timeout;
+        loop {
+            if Instant::now() >= deadline {
+                self.context.metrics.timed_out.inc();
+                return Err(format!("{why}; not resumed within --resume-timeout ({:?})", self.context.timeout));
+            }
+            let tunnel = self.context.tunnels.borrow_and_update().clone();
+            let Some(tunnel) = tunnel else {
+                tokio::time::sleep(RETRY_AFTER).await;
+                continue;
+            };
+            match tokio::time::timeout(ATTEMPT_TIMEOUT, self.attach(&tunnel, &token)).await {
+                Ok(Ok(resent)) => {
+                    self.context.metrics.resumed.inc();
+                    self.context.metrics.resent_bytes.inc_by(resent as u64);
+                    self.context.metrics.duration.observe(lost_at.elapsed().as_secs_f64());
+                    tracing::debug!(connect_id = self.connect_id.get(), resent, after = ?lost_at.elapsed(), "captured connection resumed");
+                    return Ok(());
+                }
+                Ok(Err(Attempt::Refused(reason))) => {
+                    self.context.metrics.dropped.inc();
+                    return Err(format!("{why}; the resume was refused: {reason}"));
+                }
+                Ok(Err(Attempt::Failed)) | Err(_) => tokio::time::sleep(RETRY_AFTER).await,
+            }
+        }
+    }
+
+    /// One attempt: a new stream offering the token and what was received;
+    /// then what the server lacks goes ahead of everything queued.
+    async fn attach(&mut self, tunnel: &Tunnel, token: &AsciiMetadataValue) -> Result<usize, Attempt> {
+        let (writer, ahead) = self.queue.attach_resuming();
+        let received = AsciiMetadataValue::try_from(self.gate.written().to_string()).map_err(|_| Attempt::Failed)?;
+        let headers = vec![(RESUME_TOKEN, token.clone()), (RESUME_RECEIVED, received)];
+        let (inbound, answer) = match tunnel.open(headers, writer).await {
+            Ok(opened) => opened,
+            Err(status) => {
+                return Err(match status.code() {
+                    tonic::Code::NotFound
+                    | tonic::Code::PermissionDenied
+                    | tonic::Code::InvalidArgument
+                    | tonic::Code::OutOfRange => Attempt::Refused(status.message().to_owned()),
+                    _ => Attempt::Failed,
+                });
+            }
+        };
+        let server_received = answer
+            .get(RESUME_RECEIVED)
+            .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
+            .ok_or_else(|| Attempt::Refused(format!("the server's answer has no {RESUME_RECEIVED}")))?;
+        let resend = self
+            .window
+            .grant(0, Some(server_received))
+            .and_then(|()| self.window.resend_since(self.connect_id, server_received))
+            .map_err(|error| Attempt::Refused(error.to_string()))?;
+        let mut resent = 0;
+        for frame in resend {
+            if let Frame::Data { data, .. } = &frame {
+                resent += data.len();
+            }
+            ahead.send(frame);
+        }
+        // A CLOSE_REQ queued for the lost stream was dropped with it.
+        if self.close_requested.load(Ordering::Acquire) {
+            ahead.send(Frame::CloseRequest {
+                connect_id: self.connect_id,
+            });
+        }
+        ahead.open();
+        self.inbound = inbound;
+        Ok(resent)
+    }
+}
+
+/// How one attempt to resume went.
+enum Attempt {
+    /// The server will not resume it (it no longer has the connection, say).
+    Refused(String),
+    /// No answer (no connection yet): try again.
+    Failed,
+}

@@ -1,0 +1,149 @@
+//! Node tunnels whose connections outlive the `Proxy` stream under them
+//! (docs/resume.md, "Node tunnels").
+//!
+//! A node agent carries each captured connection on a `Proxy` stream of its
+//! node tunnel. When it asks (`konnectivity-rs-resume: 1` on the dial), the
+//! stream gets a token, both sides number their DATA and acknowledge what
+//! they wrote out, and a stream lost without a clean close keeps its
+//! connection to the agent for `--agent-resume-timeout`: a new `Proxy`
+//! stream that offers the token, from the same client certificate, takes it
+//! over, and each side sends again what the other lacks. kube-apiserver's
+//! streams never ask, and are served exactly as upstream serves them.
+
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use konnectivity_mux::Extensions;
+use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
+use konnectivity_mux::outbound::{Outbound, Writer};
+use konnectivity_mux::replay::{Arrival, arrival};
+use konnectivity_proto::{ConnectId, Frame};
+use konnectivity_telemetry::metrics::Resumes;
+use tokio::sync::oneshot;
+use tonic::Status;
+
+use super::grpc::ClientPackets;
+use crate::backend::resume::{Takeover, Ticket};
+
+/// A new `Proxy` stream that resumes a lost one.
+pub(crate) struct ClientAttachment {
+    pub inbound: ClientPackets,
+    /// Bytes the client has received (and written out) so far.
+    pub received: u64,
+    /// The writer that feeds the new stream's response, and the bytes this
+    /// side has received; or why the resume was refused.
+    pub answer: oneshot::Sender<Result<(Writer, u64), Status>>,
+}
+
+/// What a resumable `Proxy` stream keeps beside the plain one's state.
+pub(crate) struct StreamResume {
+    pub ticket: Ticket<ClientAttachment>,
+    pub timeout: Duration,
+    /// Towards the client: numbered, kept until the client wrote it out.
+    pub window: SendWindow,
+    /// From the client: what was received, and the acknowledgements.
+    pub gate: ReceiveGate,
+    pub credit: ReceiveCredit,
+    pub queue: Outbound,
+    pub metrics: Resumes,
+}
+
+impl StreamResume {
+    pub fn new(ticket: Ticket<ClientAttachment>, timeout: Duration, queue: Outbound, metrics: Resumes) -> Self {
+        let (gate, credit) = receive_window(Extensions::Resume);
+        StreamResume {
+            ticket,
+            timeout,
+            window: SendWindow::new(Extensions::Resume),
+            gate,
+            credit,
+            queue,
+            metrics,
+        }
+    }
+
+    /// Waits, up to the resume timeout, for a stream that resumes this one;
+    /// returns its packets once it is attached. A resume this stream cannot
+    /// honour is refused with the reason and changes nothing.
+    pub async fn wait_for_resume(&mut self, connect_id: ConnectId) -> Option<ClientPackets> {
+        self.queue.detach();
+        let lost_at = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        loop {
+            let takeover = tokio::time::timeout_at(deadline, self.ticket.attachments.recv()).await;
+            match takeover {
+                Ok(Some(Takeover::Resume(attachment))) => {
+                    if let Some(packets) = self.attach(connect_id, attachment) {
+                        self.metrics.duration.observe(lost_at.elapsed().as_secs_f64());
+                        return Some(packets);
+                    }
+                }
+                Ok(Some(Takeover::Restarted) | None) => return None,
+                Err(_) => {
+                    self.metrics.timed_out.inc();
+                    tracing::info!(
+                        connect_id = connect_id.get(),
+                        timeout = ?self.timeout,
+                        "node tunnel stream not resumed within --agent-resume-timeout; closing its connection"
+                    );
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Admits DATA from the client: numbered, continuing what was received,
+    /// within its window.
+    pub fn admit(&self, offset: Option<u64>, len: usize) -> Result<Arrival, String> {
+        let offset = offset.ok_or_else(|| "DATA without an offset on a resumable stream".to_owned())?;
+        let arrival = arrival(self.gate.written(), offset, len).map_err(|gap| gap.to_string())?;
+        if arrival == Arrival::Next {
+            self.gate.admit_negotiated(len).map_err(|refused| refused.to_string())?;
+        }
+        Ok(arrival)
+    }
+
+    /// Attaches a resuming stream: checks the client's position, puts what
+    /// it lacks ahead of everything queued, and answers it.
+    pub fn attach(&mut self, connect_id: ConnectId, attachment: ClientAttachment) -> Option<ClientPackets> {
+        let resend = self
+            .window
+            .grant(0, Some(attachment.received))
+            .and_then(|()| self.window.resend_since(connect_id, attachment.received));
+        let resend = match resend {
+            Ok(resend) => resend,
+            Err(error) => {
+                let refused = Status::out_of_range(format!("resume refused for connectID {connect_id}: {error}"));
+                tracing::warn!(connect_id = connect_id.get(), %error, "node tunnel stream's resume refused");
+                let _ = attachment.answer.send(Err(refused));
+                return None;
+            }
+        };
+        let (writer, ahead) = self.queue.attach_resuming();
+        let resent: usize = resend
+            .iter()
+            .map(|frame| match frame {
+                Frame::Data { data, .. } => data.len(),
+                _ => 0,
+            })
+            .sum();
+        for frame in resend {
+            ahead.send(frame);
+        }
+        ahead.open();
+        if attachment.answer.send(Ok((writer, self.gate.written()))).is_err() {
+            // The resuming request went away meanwhile: wait for the next.
+            self.queue.detach();
+            return None;
+        }
+        self.metrics.resumed.inc();
+        self.metrics.resent_bytes.inc_by(resent as u64);
+        tracing::info!(connect_id = connect_id.get(), resent, "node tunnel stream resumed");
+        Some(attachment.inbound)
+    }
+}
+
+/// The response body of a resumable stream: what its writer sends.
+pub(crate) fn response_body(writer: Writer) -> super::grpc::ResponseBody {
+    Box::pin(writer.map(Ok))
+}
