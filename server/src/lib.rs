@@ -55,12 +55,7 @@ use crate::token_auth::TokenAuthenticator;
 use crate::tunnel::Dialer;
 
 pub use crate::serving::ServeError;
-use crate::serving::{bind_tcp, grpc_server, tls_incoming};
-
-/// How often agent connections are pinged while resume is on; an unanswered
-/// ping ends the connection after as long again, so a silent agent is
-/// noticed within 10 s.
-const RESUME_PING: Duration = Duration::from_secs(5);
+use crate::serving::{bind_tcp, grpc_server, keepalive_with_resume, tls_incoming};
 
 /// Binds the agent listener and returns its gRPC server, to be polled. It
 /// keeps accepting while the frontends drain: their tunnels need agents.
@@ -92,17 +87,7 @@ async fn agent_server(
         config.agent_resume_timeout,
     )
     .map_err(ServeError::Config)?;
-    // With resume, a silent agent (its link gone, its node frozen) must be
-    // noticed within seconds, not at the hour-long keepalive, so that its
-    // connections wait for a resume rather than for TCP (docs/resume.md).
-    let keepalive = match config.agent_resume_timeout.is_zero() {
-        true => config.keepalive,
-        false => Some(
-            config
-                .keepalive
-                .map_or(RESUME_PING, |interval| interval.min(RESUME_PING)),
-        ),
-    };
+    let keepalive = keepalive_with_resume(config.keepalive, config.agent_resume_timeout);
     Ok(grpc_server(keepalive)
         // Many tunneled connections share one agent stream: give it room.
         .initial_stream_window_size(Some(8 * 1024 * 1024))

@@ -72,6 +72,22 @@ pub(crate) fn tls_incoming(
 /// A gRPC server that pings its clients every `keepalive` and drops a
 /// connection whose ping goes unanswered, so a half-dead peer (a frozen
 /// agent, a vanished node) is noticed and its streams end.
+/// How often the connections of peers that resume are pinged; an unanswered
+/// ping ends the connection after as long again, so a silent peer is
+/// noticed within 10 s.
+const RESUME_PING: Duration = Duration::from_secs(5);
+
+/// The keepalive of a listener whose peers may resume (agents, node
+/// tunnels): a silent peer (its link gone, its node frozen) must be noticed
+/// within seconds, not at the hour-long keepalive, so that its connections
+/// wait for a resume rather than for TCP (docs/resume.md).
+pub(crate) fn keepalive_with_resume(configured: Option<Duration>, resume_timeout: Duration) -> Option<Duration> {
+    match resume_timeout.is_zero() {
+        true => configured,
+        false => Some(configured.map_or(RESUME_PING, |interval| interval.min(RESUME_PING))),
+    }
+}
+
 pub(crate) fn grpc_server(keepalive: Option<Duration>) -> tonic::transport::Server {
     tonic::transport::Server::builder()
         .http2_keepalive_interval(keepalive)

@@ -205,3 +205,163 @@ async fn the_node_frontend_refuses_certificates_from_other_cas() {
     assert!(matches!(error, DialError::TunnelClosed(_)), "{error:?}");
     assert_eq!(NodeSetup::dials_on(&setup.control_plane_agent).await, 0.0);
 }
+
+/// A node tunnel's resumable `Proxy` stream, spoken by hand as the node
+/// agent speaks it (docs/resume.md, "Node tunnels").
+struct HandStream {
+    outbound: tokio::sync::mpsc::Sender<konnectivity_proto::Packet>,
+    inbound: tonic::Streaming<konnectivity_proto::Packet>,
+    connect_id: konnectivity_proto::ConnectId,
+    sent: u64,
+    received: u64,
+}
+
+impl HandStream {
+    async fn send(&mut self, bytes: &[u8]) {
+        use konnectivity_proto::Frame;
+        let data = Frame::Data {
+            connect_id: self.connect_id,
+            data: bytes::Bytes::copy_from_slice(bytes),
+            offset: Some(self.sent),
+        };
+        self.sent += bytes.len() as u64;
+        self.outbound.send(data.into()).await.unwrap();
+    }
+
+    /// Reads DATA until `len` bytes arrived; each must continue what was
+    /// received.
+    async fn receive(&mut self, len: usize) -> Vec<u8> {
+        use konnectivity_proto::Frame;
+        let mut got = Vec::new();
+        while got.len() < len {
+            let packet = tokio::time::timeout(Duration::from_secs(10), self.inbound.message())
+                .await
+                .expect("DATA within 10 s")
+                .unwrap()
+                .expect("the stream stays open");
+            if let Ok(Frame::Data { data, offset, .. }) = Frame::try_from(packet) {
+                assert_eq!(offset, Some(self.received), "DATA continues what was received");
+                self.received += data.len() as u64;
+                got.extend_from_slice(&data);
+            }
+        }
+        got
+    }
+}
+
+fn header(value: &str) -> tonic::metadata::AsciiMetadataValue {
+    tonic::metadata::AsciiMetadataValue::try_from(value).unwrap()
+}
+
+/// Opens a stream on `tunnel` with `headers`; a dial when `dial` names a
+/// target.
+async fn open_by_hand(
+    tunnel: &Tunnel,
+    headers: Vec<(&'static str, tonic::metadata::AsciiMetadataValue)>,
+    dial: Option<&str>,
+) -> Result<(HandStream, tonic::metadata::MetadataMap), tonic::Status> {
+    use konnectivity_proto::{DialId, Frame};
+    let (outbound, queued) = tokio::sync::mpsc::channel(16);
+    if let Some(address) = dial {
+        let request = Frame::DialRequest {
+            protocol: "tcp".to_owned(),
+            address: address.into(),
+            dial_id: DialId::random(),
+        };
+        outbound.send(request.into()).await.unwrap();
+    }
+    let (mut inbound, answer) = tunnel
+        .open(headers, tokio_stream::wrappers::ReceiverStream::new(queued))
+        .await?;
+    let mut connect_id = konnectivity_proto::ConnectId::FIRST;
+    if dial.is_some() {
+        let packet = inbound.message().await.unwrap().unwrap();
+        let Ok(Frame::DialResponse { result: Ok(id), .. }) = Frame::try_from(packet) else {
+            panic!("the dial succeeds");
+        };
+        connect_id = id;
+    }
+    let stream = HandStream {
+        outbound,
+        inbound,
+        connect_id,
+        sent: 0,
+        received: 0,
+    };
+    Ok((stream, answer))
+}
+
+/// A resume is refused, with the reason, for a malformed, unknown or forged
+/// token, a missing byte count, a count beyond what the server sent and
+/// another node's certificate; none
+/// of it disturbs the stream. The right token and count take the stream
+/// over (the old one still open, as after a silent link) and the bytes go on
+/// where they stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent() {
+    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+
+    let setup = setup().await;
+    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
+    let address = setup.allowed.addr.to_string();
+    let (mut stream, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
+        .await
+        .unwrap();
+    let token = answer
+        .get(RESUME_TOKEN)
+        .expect("a node tunnel's stream gets a resume token")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    stream.send(&targets::header(b'E', 0, 0)).await;
+    stream.send(b"before").await;
+    assert_eq!(stream.receive(6).await, b"before");
+
+    let (session, server) = token.split_once('@').unwrap();
+    let flipped = {
+        let mut bytes = session.as_bytes().to_vec();
+        let last = bytes.len() - 1;
+        bytes[last] = if bytes[last] == b'0' { b'1' } else { b'0' };
+        format!("{}@{server}", String::from_utf8(bytes).unwrap())
+    };
+    let unknown = format!("{}{}@{server}", "f".repeat(16), &session[16..]);
+    let refusals = [
+        ("nonsense@".to_owned() + server, "0", tonic::Code::InvalidArgument, "malformed"),
+        (unknown, "0", tonic::Code::NotFound, "has no session"),
+        (flipped, "0", tonic::Code::PermissionDenied, "wrong secret"),
+        (token.clone(), "not a number", tonic::Code::InvalidArgument, RESUME_RECEIVED),
+        (token.clone(), "1000000", tonic::Code::OutOfRange, "only 6 were sent"),
+    ];
+    for (offered, received, code, says) in refusals {
+        let headers = vec![(RESUME_TOKEN, header(&offered)), (RESUME_RECEIVED, header(received))];
+        let refused = open_by_hand(&tunnel, headers, None).await.err().expect("refused");
+        assert_eq!(refused.code(), code, "{offered} {received}: {}", refused.message());
+        assert!(refused.message().contains(says), "{}", refused.message());
+    }
+    // The right token and count from another node's certificate.
+    let other_node = setup.node_tunnel(&setup.pki.other_node_client).await;
+    let headers = vec![(RESUME_TOKEN, header(&token)), (RESUME_RECEIVED, header("6"))];
+    let refused = open_by_hand(&other_node, headers, None).await.err().expect("refused");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{}", refused.message());
+    assert!(refused.message().contains("node-1"), "{}", refused.message());
+    // Nothing changed: the stream carries on.
+    stream.send(b"still here").await;
+    assert_eq!(stream.receive(10).await, b"still here");
+
+    let received = stream.received.to_string();
+    let headers = vec![(RESUME_TOKEN, header(&token)), (RESUME_RECEIVED, header(&received))];
+    let (mut resumed, answer) = open_by_hand(&tunnel, headers, None).await.unwrap();
+    let server_received: u64 = answer.get(RESUME_RECEIVED).unwrap().to_str().unwrap().parse().unwrap();
+    assert_eq!(server_received, stream.sent, "the server has every byte sent");
+    resumed.connect_id = stream.connect_id;
+    resumed.sent = server_received;
+    resumed.received = stream.received;
+    resumed.send(b"after the resume").await;
+    assert_eq!(resumed.receive(16).await, b"after the resume");
+    let resumed_count = metric(
+        setup.server.health_port,
+        "konnectivity_network_proxy_server_resumed_connections_total",
+    )
+    .await;
+    assert_eq!(resumed_count, Some(1.0));
+}

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 use crate::backend::resume::Resumption;
 use crate::config::{Config, FrontendListen, Mode};
 use crate::policy::FrontendClass;
-use crate::serving::{ServeError, bind_tcp, grpc_server, tls_incoming};
+use crate::serving::{ServeError, bind_tcp, grpc_server, keepalive_with_resume, tls_incoming};
 use crate::tunnel::Dialer;
 use authority::RefuseUnparsedAuthorityLayer;
 use preface::RequireHttp2;
@@ -126,7 +126,8 @@ pub(crate) async fn start_node(
     // agents' streams and theirs share one timeout.
     let resumption =
         (!config.agent_resume_timeout.is_zero()).then(|| Resumption::new(config.agent_resume_timeout, &config.server_id));
-    let server = grpc_frontend(node_dialer, config.frontend_keepalive, Authority::WellFormed, resumption);
+    let keepalive = keepalive_with_resume(config.frontend_keepalive, config.agent_resume_timeout);
+    let server = grpc_frontend(node_dialer, keepalive, Authority::WellFormed, resumption);
     let watcher = watcher.clone();
     Ok(Some(tokio::spawn(async move {
         if let Err(error) = serve_grpc(server, incoming, watcher).await {

@@ -33,6 +33,8 @@ pub struct Pki {
     pub node_ca: PathBuf,
     /// A node agent's client certificate, from `node_ca`.
     pub node_client: CertFiles,
+    /// Another node's (`node-2`), from `node_ca`.
+    pub other_node_client: CertFiles,
     /// A control-plane agent's certificate: CN and DNS SAN `cp-1`.
     pub control_plane_agent: CertFiles,
     /// The kube-apiserver stand-in: SANs the service VIPs 10.96.0.1 and
@@ -208,6 +210,13 @@ impl Pki {
             node_client: leaf(
                 dir,
                 "node-1",
+                &[],
+                ExtendedKeyUsagePurpose::ClientAuth,
+                &node_authority,
+            ),
+            other_node_client: leaf(
+                dir,
+                "node-2",
                 &[],
                 ExtendedKeyUsagePurpose::ClientAuth,
                 &node_authority,

@@ -207,7 +207,7 @@ pub fn pattern_digest(len: u64, seed: u64) -> [u8; 32] {
     hasher.finalize().into()
 }
 
-fn header(command: u8, len: u64, seed: u64) -> [u8; 17] {
+pub fn header(command: u8, len: u64, seed: u64) -> [u8; 17] {
     let mut header = [0u8; 17];
     header[0] = command;
     header[1..9].copy_from_slice(&len.to_le_bytes());
