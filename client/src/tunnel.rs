@@ -81,23 +81,32 @@ impl Tunnel {
         port: u16,
         tls: Arc<rustls::ClientConfig>,
     ) -> Result<Tunnel, ConnectError> {
-        Self::connect_tls_marked(host, port, tls, None).await
+        Self::connect_tls_marked(host, port, tls, None, None).await
     }
 
     /// As [`Tunnel::connect_tls`], with `SO_MARK` on the TCP socket so that
-    /// a node agent's own capture rules skip it (needs CAP_NET_ADMIN).
+    /// a node agent's own capture rules skip it (needs CAP_NET_ADMIN), and
+    /// HTTP/2 pings every `keepalive` while streams are open: a connection
+    /// whose pings go unanswered for as long again fails its streams, which
+    /// is how a client that resumes them learns of a silent link (without
+    /// pings, a stream only waiting for data would wait forever).
     pub async fn connect_tls_marked(
         host: &str,
         port: u16,
         tls: Arc<rustls::ClientConfig>,
         mark: Option<u32>,
+        keepalive: Option<Duration>,
     ) -> Result<Tunnel, ConnectError> {
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![b"h2".to_vec()];
         let connector = TlsConnector::from(Arc::new(tls));
         let name = crate::net::server_name(host).map_err(|_| ConnectError::ServerName(host.to_owned()))?;
         let host = host.trim_matches(['[', ']']).to_owned();
-        let channel = endpoint()
+        let mut endpoint = endpoint();
+        if let Some(interval) = keepalive {
+            endpoint = endpoint.http2_keep_alive_interval(interval).keep_alive_timeout(interval);
+        }
+        let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let (connector, name, host) = (connector.clone(), name.clone(), host.clone());
                 async move {

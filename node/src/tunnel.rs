@@ -17,6 +17,10 @@ use crate::settings::NodeSettings;
 /// a tunnel that stops answering is reported within about 3 s.
 const TUNNEL_PROBE_INTERVAL: Duration = Duration::from_secs(1);
 const TUNNEL_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often the node tunnel pings the server while streams are open: a
+/// captured connection's stream on a silent link fails within twice this,
+/// and the connection resumes on a new tunnel (docs/resume.md).
+const TUNNEL_KEEPALIVE: Duration = Duration::from_secs(5);
 /// The longest wait between reconnection attempts of the node tunnel.
 const TUNNEL_RETRY_CAP: Duration = Duration::from_secs(3);
 
@@ -101,6 +105,7 @@ async fn connect_tunnel(settings: &NodeSettings) -> Result<Tunnel, String> {
         settings.node_frontend_port,
         settings.tls.clone(),
         Some(settings.mark),
+        Some(TUNNEL_KEEPALIVE),
     );
     let connected = match tokio::time::timeout(TUNNEL_PROBE_TIMEOUT, connect).await {
         Ok(Ok(connected)) => connected.with_dial_timeout(Duration::from_secs(10)),

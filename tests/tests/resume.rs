@@ -624,3 +624,57 @@ async fn twenty_cuts_of_the_node_tunnel_break_no_captured_connection() {
         "the download's connection resumed after every cut: server {resumed}, node agent {node_resumed}"
     );
 }
+
+/// The node's link silent for 20 s (the cable pulled: no reset, nothing) while
+/// a download runs through the `kubernetes` VIP: the server notices the
+/// silent node tunnel by its pings, the node agent by its probes, and when
+/// the link returns the captured connection resumes on a new tunnel; the
+/// download arrives intact on its one connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_captured_connection_survives_twenty_seconds_of_a_silent_node_link() {
+    use crate::support::kas::*;
+
+    if !root_or_skip("a_captured_connection_survives_twenty_seconds_of_a_silent_node_link") {
+        return;
+    }
+    // 64 MiB at 4 MiB/s: 16 s of transfer around the 20 s of silence.
+    const LEN: u64 = 64 * MIB;
+    let topology = Arc::new(build(true).await);
+    let _agent = topology.start_node_agent(&[]);
+    topology.wait_node_ready().await;
+    let blob = topology.dir.path().join("www/files/blob");
+    let expected = topology.node.sh(&format!("head -c {LEN} {} | sha256sum", blob.display()));
+    let expected = String::from_utf8_lossy(&expected.stdout).to_string();
+
+    let download = {
+        let topology = topology.clone();
+        tokio::task::spawn_blocking(move || {
+            topology.node.sh(&format!(
+                "curl -sS --max-time 120 --limit-rate 4M --range 0-{} --cacert {} https://{VIP}/files/blob | sha256sum",
+                LEN - 1,
+                topology.pki.ca.display()
+            ))
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The control plane's end goes down, as a cable pulled: the node's end
+    // only loses its carrier, and keeps its address and local routes (an
+    // interface set down would take the node's own address, which captured
+    // connections use, with it).
+    topology.control_plane.ip(&["link", "set", "veth0", "down"]);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    topology.control_plane.ip(&["link", "set", "veth0", "up"]);
+    let download = download.await.unwrap();
+    assert!(download.status.success(), "{}", text(&download));
+    assert_eq!(
+        String::from_utf8_lossy(&download.stdout),
+        expected,
+        "the download across 20 s of silence arrived changed or cut short: {}",
+        text(&download)
+    );
+    let resumed = topology
+        .control_plane
+        .metric(SERVER_HEALTH, SERVER_RESUMED)
+        .unwrap_or(0.0);
+    assert!(resumed >= 1.0, "the server resumed the captured connection: {resumed}");
+}

@@ -222,6 +222,8 @@ struct Down {
 
 impl Down {
     async fn run(&mut self, mut write: WriteHalf<'_>) -> Result<(), Failure> {
+        // Only a tunnel replaced from now on means this stream is lost.
+        self.context.tunnels.mark_unchanged();
         loop {
             let next = tokio::select! {
                 next = self.inbound.message() => next,
@@ -285,6 +287,7 @@ impl Down {
         self.queue.detach();
         let lost_at = Instant::now();
         let deadline = lost_at + self.context.timeout;
+        tracing::debug!(connect_id = self.connect_id.get(), %why, "captured connection's stream lost; resuming it");
         loop {
             if Instant::now() >= deadline {
                 self.context.metrics.timed_out.inc();
@@ -307,7 +310,14 @@ impl Down {
                     self.context.metrics.dropped.inc();
                     return Err(format!("{why}; the resume was refused: {reason}"));
                 }
-                Ok(Err(Attempt::Failed)) | Err(_) => tokio::time::sleep(RETRY_AFTER).await,
+                Ok(Err(Attempt::Failed(error))) => {
+                    tracing::debug!(connect_id = self.connect_id.get(), %error, "resume attempt failed");
+                    tokio::time::sleep(RETRY_AFTER).await
+                }
+                Err(_) => {
+                    tracing::debug!(connect_id = self.connect_id.get(), "resume attempt timed out");
+                    tokio::time::sleep(RETRY_AFTER).await
+                }
             }
         }
     }
@@ -316,7 +326,8 @@ impl Down {
     /// then what the server lacks goes ahead of everything queued.
     async fn attach(&mut self, tunnel: &Tunnel, token: &AsciiMetadataValue) -> Result<usize, Attempt> {
         let (writer, ahead) = self.queue.attach_resuming();
-        let received = AsciiMetadataValue::try_from(self.gate.written().to_string()).map_err(|_| Attempt::Failed)?;
+        let received = AsciiMetadataValue::try_from(self.gate.written().to_string())
+            .map_err(|_| Attempt::Refused("unreadable byte count".to_owned()))?;
         let headers = vec![(RESUME_TOKEN, token.clone()), (RESUME_RECEIVED, received)];
         let (inbound, answer) = match tunnel.open(headers, writer).await {
             Ok(opened) => opened,
@@ -326,7 +337,7 @@ impl Down {
                     | tonic::Code::PermissionDenied
                     | tonic::Code::InvalidArgument
                     | tonic::Code::OutOfRange => Attempt::Refused(status.message().to_owned()),
-                    _ => Attempt::Failed,
+                    _ => Attempt::Failed(status.to_string()),
                 });
             }
         };
@@ -363,5 +374,5 @@ enum Attempt {
     /// The server will not resume it (it no longer has the connection, say).
     Refused(String),
     /// No answer (no connection yet): try again.
-    Failed,
+    Failed(String),
 }
