@@ -5,6 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::Stream;
 use hyper_util::rt::TokioIo;
 use konnectivity_proto::wire::proxy_service_client::ProxyServiceClient;
 use konnectivity_proto::{DialId, Frame, Packet};
@@ -12,7 +13,6 @@ use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
-use futures_util::Stream;
 use tonic::Streaming;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint, Uri};
@@ -104,7 +104,9 @@ impl Tunnel {
         let host = host.trim_matches(['[', ']']).to_owned();
         let mut endpoint = endpoint();
         if let Some(interval) = keepalive {
-            endpoint = endpoint.http2_keep_alive_interval(interval).keep_alive_timeout(interval);
+            endpoint = endpoint
+                .http2_keep_alive_interval(interval)
+                .keep_alive_timeout(interval);
         }
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: Uri| {

@@ -69,7 +69,9 @@ impl Outbound {
         match self.queue.try_send(packet) {
             Ok(()) => Queueing::Done(Ok(())),
             Err(mpsc::error::TrySendError::Closed(_)) => Queueing::Done(Err(QueueClosed)),
-            Err(mpsc::error::TrySendError::Full(packet)) => Queueing::Waiting(Box::pin(self.queue.send(packet))),
+            Err(mpsc::error::TrySendError::Full(packet)) => {
+                Queueing::Waiting(Box::pin(self.queue.send(packet)))
+            }
         }
     }
 
@@ -240,7 +242,11 @@ mod tests {
         // async fn here put 0.7 KiB on every idle CONNECT tunnel).
         let outbound = outbound(1);
         let sent = outbound.send(close(1));
-        assert!(std::mem::size_of_val(&sent) <= 24, "{} bytes", std::mem::size_of_val(&sent));
+        assert!(
+            std::mem::size_of_val(&sent) <= 24,
+            "{} bytes",
+            std::mem::size_of_val(&sent)
+        );
         let waiting = outbound.send(close(2));
         assert!(matches!(waiting, Queueing::Waiting(_)));
         assert!(std::mem::size_of_val(&waiting) <= 24);

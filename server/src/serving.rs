@@ -81,7 +81,10 @@ const RESUME_PING: Duration = Duration::from_secs(5);
 /// tunnels): a silent peer (its link gone, its node frozen) must be noticed
 /// within seconds, not at the hour-long keepalive, so that its connections
 /// wait for a resume rather than for TCP (docs/resume.md).
-pub(crate) fn keepalive_with_resume(configured: Option<Duration>, resume_timeout: Duration) -> Option<Duration> {
+pub(crate) fn keepalive_with_resume(
+    configured: Option<Duration>,
+    resume_timeout: Duration,
+) -> Option<Duration> {
     match resume_timeout.is_zero() {
         true => configured,
         false => Some(configured.map_or(RESUME_PING, |interval| interval.min(RESUME_PING))),

@@ -326,32 +326,72 @@ async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent(
     };
     let unknown = format!("{}{}@{server}", "f".repeat(16), &session[16..]);
     let refusals = [
-        ("nonsense@".to_owned() + server, "0", tonic::Code::InvalidArgument, "malformed"),
+        (
+            "nonsense@".to_owned() + server,
+            "0",
+            tonic::Code::InvalidArgument,
+            "malformed",
+        ),
         (unknown, "0", tonic::Code::NotFound, "has no session"),
         (flipped, "0", tonic::Code::PermissionDenied, "wrong secret"),
-        (token.clone(), "not a number", tonic::Code::InvalidArgument, RESUME_RECEIVED),
-        (token.clone(), "1000000", tonic::Code::OutOfRange, "only 6 were sent"),
+        (
+            token.clone(),
+            "not a number",
+            tonic::Code::InvalidArgument,
+            RESUME_RECEIVED,
+        ),
+        (
+            token.clone(),
+            "1000000",
+            tonic::Code::OutOfRange,
+            "only 6 were sent",
+        ),
     ];
     for (offered, received, code, says) in refusals {
-        let headers = vec![(RESUME_TOKEN, header(&offered)), (RESUME_RECEIVED, header(received))];
+        let headers = vec![
+            (RESUME_TOKEN, header(&offered)),
+            (RESUME_RECEIVED, header(received)),
+        ];
         let refused = open_by_hand(&tunnel, headers, None).await.err().expect("refused");
-        assert_eq!(refused.code(), code, "{offered} {received}: {}", refused.message());
+        assert_eq!(
+            refused.code(),
+            code,
+            "{offered} {received}: {}",
+            refused.message()
+        );
         assert!(refused.message().contains(says), "{}", refused.message());
     }
     // The right token and count from another node's certificate.
     let other_node = setup.node_tunnel(&setup.pki.other_node_client).await;
     let headers = vec![(RESUME_TOKEN, header(&token)), (RESUME_RECEIVED, header("6"))];
-    let refused = open_by_hand(&other_node, headers, None).await.err().expect("refused");
-    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{}", refused.message());
+    let refused = open_by_hand(&other_node, headers, None)
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(
+        refused.code(),
+        tonic::Code::PermissionDenied,
+        "{}",
+        refused.message()
+    );
     assert!(refused.message().contains("node-1"), "{}", refused.message());
     // Nothing changed: the stream carries on.
     stream.send(b"still here").await;
     assert_eq!(stream.receive(10).await, b"still here");
 
     let received = stream.received.to_string();
-    let headers = vec![(RESUME_TOKEN, header(&token)), (RESUME_RECEIVED, header(&received))];
+    let headers = vec![
+        (RESUME_TOKEN, header(&token)),
+        (RESUME_RECEIVED, header(&received)),
+    ];
     let (mut resumed, answer) = open_by_hand(&tunnel, headers, None).await.unwrap();
-    let server_received: u64 = answer.get(RESUME_RECEIVED).unwrap().to_str().unwrap().parse().unwrap();
+    let server_received: u64 = answer
+        .get(RESUME_RECEIVED)
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(server_received, stream.sent, "the server has every byte sent");
     resumed.connect_id = stream.connect_id;
     resumed.sent = server_received;

@@ -599,11 +599,18 @@ async fn twenty_cuts_of_the_node_tunnel_break_no_captured_connection() {
         let killed = topology.node.sh(&format!(
             "ss -K -t -n dst {SERVER_IP} dport = :{NODE_FRONTEND_PORT} | tail -n +2 | grep -c ."
         ));
-        let killed: usize = String::from_utf8_lossy(&killed.stdout).trim().parse().unwrap_or(0);
+        let killed: usize = String::from_utf8_lossy(&killed.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0);
         assert!(killed >= 1, "cut {cut}: no node tunnel connection to kill");
         cuts += 1;
         let kubectl = topology.kubectl_get_raw(&topology.node, "/version");
-        assert!(kubectl.status.success(), "kubectl after cut {cut}: {}", text(&kubectl));
+        assert!(
+            kubectl.status.success(),
+            "kubectl after cut {cut}: {}",
+            text(&kubectl)
+        );
         assert!(String::from_utf8_lossy(&kubectl.stdout).contains("v1.31.0-konnectivity-standin"));
         tokio::time::sleep(Duration::from_millis(700)).await;
     }
@@ -618,7 +625,10 @@ async fn twenty_cuts_of_the_node_tunnel_break_no_captured_connection() {
         .control_plane
         .metric(SERVER_HEALTH, SERVER_RESUMED)
         .unwrap_or(0.0);
-    let node_resumed = topology.node.metric(NODE_AGENT_HEALTH, NODE_RESUMED).unwrap_or(0.0);
+    let node_resumed = topology
+        .node
+        .metric(NODE_AGENT_HEALTH, NODE_RESUMED)
+        .unwrap_or(0.0);
     assert!(
         resumed >= CUTS as f64 && node_resumed >= CUTS as f64,
         "the download's connection resumed after every cut: server {resumed}, node agent {node_resumed}"
@@ -643,7 +653,9 @@ async fn a_captured_connection_survives_twenty_seconds_of_a_silent_node_link() {
     let _agent = topology.start_node_agent(&[]);
     topology.wait_node_ready().await;
     let blob = topology.dir.path().join("www/files/blob");
-    let expected = topology.node.sh(&format!("head -c {LEN} {} | sha256sum", blob.display()));
+    let expected = topology
+        .node
+        .sh(&format!("head -c {LEN} {} | sha256sum", blob.display()));
     let expected = String::from_utf8_lossy(&expected.stdout).to_string();
 
     let download = {
@@ -676,5 +688,8 @@ async fn a_captured_connection_survives_twenty_seconds_of_a_silent_node_link() {
         .control_plane
         .metric(SERVER_HEALTH, SERVER_RESUMED)
         .unwrap_or(0.0);
-    assert!(resumed >= 1.0, "the server resumed the captured connection: {resumed}");
+    assert!(
+        resumed >= 1.0,
+        "the server resumed the captured connection: {resumed}"
+    );
 }

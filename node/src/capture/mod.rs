@@ -3,6 +3,6 @@
 //! and the listener that tunnels each captured connection ([`listener`]).
 
 pub(crate) mod listener;
-pub(crate) mod resumable;
 pub mod map;
 pub mod nft;
+pub(crate) mod resumable;

@@ -130,7 +130,11 @@ type Failure = String;
 /// Carries `socket` over the dialed stream until either side closes it.
 /// `Ok` when the remote end closed cleanly; an error (the socket is then
 /// reset by the caller) when it failed or could not be resumed.
-pub(crate) async fn relay(socket: &mut TcpStream, dialed: Dialed, context: ResumeContext) -> Result<(), Failure> {
+pub(crate) async fn relay(
+    socket: &mut TcpStream,
+    dialed: Dialed,
+    context: ResumeContext,
+) -> Result<(), Failure> {
     let Dialed {
         connect_id,
         queue,
@@ -247,11 +251,20 @@ impl Down {
                 }
             };
             match Frame::try_from(packet) {
-                Ok(Frame::Data { connect_id, data, offset }) if connect_id == self.connect_id => {
+                Ok(Frame::Data {
+                    connect_id,
+                    data,
+                    offset,
+                }) if connect_id == self.connect_id => {
                     if self.token.is_some() {
                         let offset = offset.ok_or("DATA without an offset on a resumable stream")?;
-                        match arrival(self.gate.written(), offset, data.len()).map_err(|gap| gap.to_string())? {
-                            Arrival::Next => self.gate.admit_negotiated(data.len()).map_err(|e| e.to_string())?,
+                        match arrival(self.gate.written(), offset, data.len())
+                            .map_err(|gap| gap.to_string())?
+                        {
+                            Arrival::Next => self
+                                .gate
+                                .admit_negotiated(data.len())
+                                .map_err(|e| e.to_string())?,
                             Arrival::Duplicate => continue,
                         }
                     }
@@ -265,13 +278,17 @@ impl Down {
                     bytes,
                     written,
                 }) if connect_id == self.connect_id => {
-                    self.window.grant(bytes, written).map_err(|error| error.to_string())?;
+                    self.window
+                        .grant(bytes, written)
+                        .map_err(|error| error.to_string())?;
                 }
                 Ok(Frame::CloseResponse { error: None, .. }) => {
                     let _ = write.shutdown().await;
                     return Ok(());
                 }
-                Ok(Frame::CloseResponse { error: Some(error), .. }) => return Err(error),
+                Ok(Frame::CloseResponse {
+                    error: Some(error), ..
+                }) => return Err(error),
                 Ok(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet on a tunnel stream"),
                 Err(error) => tracing::warn!(%error, "invalid packet on a tunnel stream"),
             }
@@ -291,7 +308,10 @@ impl Down {
         loop {
             if Instant::now() >= deadline {
                 self.context.metrics.timed_out.inc();
-                return Err(format!("{why}; not resumed within --resume-timeout ({:?})", self.context.timeout));
+                return Err(format!(
+                    "{why}; not resumed within --resume-timeout ({:?})",
+                    self.context.timeout
+                ));
             }
             let tunnel = self.context.tunnels.borrow_and_update().clone();
             let Some(tunnel) = tunnel else {
@@ -302,7 +322,10 @@ impl Down {
                 Ok(Ok(resent)) => {
                     self.context.metrics.resumed.inc();
                     self.context.metrics.resent_bytes.inc_by(resent as u64);
-                    self.context.metrics.duration.observe(lost_at.elapsed().as_secs_f64());
+                    self.context
+                        .metrics
+                        .duration
+                        .observe(lost_at.elapsed().as_secs_f64());
                     tracing::debug!(connect_id = self.connect_id.get(), resent, after = ?lost_at.elapsed(), "captured connection resumed");
                     return Ok(());
                 }

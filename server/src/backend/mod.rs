@@ -164,7 +164,9 @@ impl Backend {
     /// [`konnectivity_mux::outbound::Queueing`] gives.
     pub fn send(&self, frame: Frame) -> impl Future<Output = Result<(), BackendGone>> + Send + '_ {
         self.metrics.packet(Segment::ToAgent, frame.kind());
-        self.outbound.send(frame.into()).map(|queued| queued.map_err(|_| BackendGone))
+        self.outbound
+            .send(frame.into())
+            .map(|queued| queued.map_err(|_| BackendGone))
     }
 
     pub async fn command(&self, command: Command) -> Result<(), BackendGone> {

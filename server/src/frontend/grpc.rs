@@ -102,7 +102,12 @@ fn serve_resumable(
     let token = AsciiMetadataValue::try_from(ticket.token.as_str()).ok();
     let queue = outbound(TO_CLIENT_QUEUE);
     let writer = queue.attach();
-    let resume = StreamResume::new(ticket, resumption.timeout, queue.clone(), dialer.metrics.resumes.clone());
+    let resume = StreamResume::new(
+        ticket,
+        resumption.timeout,
+        queue.clone(),
+        dialer.metrics.resumes.clone(),
+    );
     spawn_stream(
         dialer,
         Box::pin(request.into_inner()),
@@ -123,17 +128,24 @@ async fn resume_client(
     request: Request<Streaming<Packet>>,
 ) -> Result<Response<ResponseBody>, Status> {
     let metadata = request.metadata();
-    let token = metadata.get(RESUME_TOKEN).and_then(|value| value.to_str().ok()).unwrap_or_default();
+    let token = metadata
+        .get(RESUME_TOKEN)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default();
     let received = metadata
         .get(RESUME_RECEIVED)
         .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
         .ok_or_else(|| {
-            Status::invalid_argument(format!("resume refused: {RESUME_RECEIVED} must be one byte count"))
+            Status::invalid_argument(format!(
+                "resume refused: {RESUME_RECEIVED} must be one byte count"
+            ))
         })?;
     let identity = client_identity(&request);
     let session = resumption
         .find(&[token], &identity)
-        .inspect_err(|refused| tracing::warn!(error = refused.message(), "node tunnel stream's resume refused"))?
+        .inspect_err(|refused| {
+            tracing::warn!(error = refused.message(), "node tunnel stream's resume refused")
+        })?
         .ok_or_else(|| Status::not_found("resume refused: the token names another proxy-server"))?;
     let gone = || Status::not_found("resume refused: the stream's connection has ended");
     let (answer, answered) = oneshot::channel();
@@ -142,7 +154,10 @@ async fn resume_client(
         received,
         answer,
     };
-    session.send(Takeover::Resume(attachment)).await.map_err(|_| gone())?;
+    session
+        .send(Takeover::Resume(attachment))
+        .await
+        .map_err(|_| gone())?;
     let (writer, server_received) = answered.await.map_err(|_| gone())??;
     let mut response = Response::new(response_body(writer));
     if let Ok(value) = AsciiMetadataValue::try_from(server_received.to_string()) {
@@ -166,7 +181,12 @@ pub fn serve_client(
     ReceiverStream::new(received).map(|packet| *packet)
 }
 
-fn spawn_stream(dialer: Dialer, packets: ClientPackets, to_client: ToClientQueue, resume: Option<Box<StreamResume>>) {
+fn spawn_stream(
+    dialer: Dialer,
+    packets: ClientPackets,
+    to_client: ToClientQueue,
+    resume: Option<Box<StreamResume>>,
+) {
     let open = GaugeGuard::new(&dialer.metrics.grpc_connections("Proxy"));
     tokio::spawn(async move {
         let _open = open;
@@ -388,32 +408,37 @@ impl ClientStream {
         let outbound = &self.outbound;
         let mut resume = self.resume.as_deref_mut();
         let window = resume.as_ref().map(|resume| resume.window.clone());
-        let to_agent =
-            async {
-                loop {
-                    let frame = match &mut resume {
-                        None => inbound.next_frame().await,
-                        Some(resume) => tokio::select! {
-                            frame = inbound.next_frame() => frame,
-                            // The client resumed on a new stream before this
-                            // one failed here (a silent link, say).
-                            Some(Takeover::Resume(attachment)) = resume.ticket.attachments.recv() => {
-                                if let Some(packets) = resume.attach(connect_id, attachment) {
-                                    inbound.resumed(packets);
-                                }
-                                continue;
+        let to_agent = async {
+            loop {
+                let frame = match &mut resume {
+                    None => inbound.next_frame().await,
+                    Some(resume) => tokio::select! {
+                        frame = inbound.next_frame() => frame,
+                        // The client resumed on a new stream before this
+                        // one failed here (a silent link, say).
+                        Some(Takeover::Resume(attachment)) = resume.ticket.attachments.recv() => {
+                            if let Some(packets) = resume.attach(connect_id, attachment) {
+                                inbound.resumed(packets);
                             }
-                        },
-                    };
-                    match frame {
-                    Some(Frame::Data { connect_id: id, data, offset }) if id == connect_id => {
+                            continue;
+                        }
+                    },
+                };
+                match frame {
+                    Some(Frame::Data {
+                        connect_id: id,
+                        data,
+                        offset,
+                    }) if id == connect_id => {
                         let len = data.len();
                         if let Some(resume) = &resume {
                             match resume.admit(offset, len) {
                                 Ok(Arrival::Next) => {}
                                 Ok(Arrival::Duplicate) => continue,
                                 Err(error) => {
-                                    tunnel.in_scope(|| tracing::warn!(%error, "closing resumable frontend stream"));
+                                    tunnel.in_scope(
+                                        || tracing::warn!(%error, "closing resumable frontend stream"),
+                                    );
                                     return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
                                 }
                             }
@@ -429,7 +454,11 @@ impl ClientStream {
                             let _ = outbound.send(credit.frame(connect_id)).await;
                         }
                     }
-                    Some(Frame::WindowUpdate { connect_id: id, bytes, written }) if id == connect_id && resume.is_some() => {
+                    Some(Frame::WindowUpdate {
+                        connect_id: id,
+                        bytes,
+                        written,
+                    }) if id == connect_id && resume.is_some() => {
                         if let Some(resume) = &resume
                             && let Err(error) = resume.window.grant(bytes, written)
                         {
@@ -469,8 +498,8 @@ impl ClientStream {
                         };
                     }
                 }
-                }
-            };
+            }
+        };
         let to_client = async {
             loop {
                 match receiver.recv().await {

@@ -124,8 +124,8 @@ pub(crate) async fn start_node(
     };
     // A node tunnel's streams may resume (resume::StreamResume); the
     // agents' streams and theirs share one timeout.
-    let resumption =
-        (!config.agent_resume_timeout.is_zero()).then(|| Resumption::new(config.agent_resume_timeout, &config.server_id));
+    let resumption = (!config.agent_resume_timeout.is_zero())
+        .then(|| Resumption::new(config.agent_resume_timeout, &config.server_id));
     let keepalive = keepalive_with_resume(config.frontend_keepalive, config.agent_resume_timeout);
     let server = grpc_frontend(node_dialer, keepalive, Authority::WellFormed, resumption);
     let watcher = watcher.clone();
@@ -164,7 +164,9 @@ fn grpc_frontend(
         .initial_stream_window_size(Some(4 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024))
         .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE))
-        .add_service(ProxyServiceServer::new(grpc::ProxyServer::new(dialer, resumption)))
+        .add_service(ProxyServiceServer::new(grpc::ProxyServer::new(
+            dialer, resumption,
+        )))
 }
 
 /// Serves a gRPC frontend until the drain is signalled, then sends GOAWAY

@@ -49,7 +49,12 @@ pub(crate) struct StreamResume {
 }
 
 impl StreamResume {
-    pub fn new(ticket: Ticket<ClientAttachment>, timeout: Duration, queue: Outbound, metrics: Resumes) -> Self {
+    pub fn new(
+        ticket: Ticket<ClientAttachment>,
+        timeout: Duration,
+        queue: Outbound,
+        metrics: Resumes,
+    ) -> Self {
         let (gate, credit) = receive_window(Extensions::Resume);
         StreamResume {
             ticket,
@@ -98,7 +103,9 @@ impl StreamResume {
         let offset = offset.ok_or_else(|| "DATA without an offset on a resumable stream".to_owned())?;
         let arrival = arrival(self.gate.written(), offset, len).map_err(|gap| gap.to_string())?;
         if arrival == Arrival::Next {
-            self.gate.admit_negotiated(len).map_err(|refused| refused.to_string())?;
+            self.gate
+                .admit_negotiated(len)
+                .map_err(|refused| refused.to_string())?;
         }
         Ok(arrival)
     }
@@ -113,7 +120,8 @@ impl StreamResume {
         let resend = match resend {
             Ok(resend) => resend,
             Err(error) => {
-                let refused = Status::out_of_range(format!("resume refused for connectID {connect_id}: {error}"));
+                let refused =
+                    Status::out_of_range(format!("resume refused for connectID {connect_id}: {error}"));
                 tracing::warn!(connect_id = connect_id.get(), %error, "node tunnel stream's resume refused");
                 let _ = attachment.answer.send(Err(refused));
                 return None;
@@ -138,7 +146,11 @@ impl StreamResume {
         }
         self.metrics.resumed.inc();
         self.metrics.resent_bytes.inc_by(resent as u64);
-        tracing::info!(connect_id = connect_id.get(), resent, "node tunnel stream resumed");
+        tracing::info!(
+            connect_id = connect_id.get(),
+            resent,
+            "node tunnel stream resumed"
+        );
         Some(attachment.inbound)
     }
 }
