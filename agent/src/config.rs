@@ -143,7 +143,8 @@ pub struct Args {
     /// How long the connections of a lost server stream wait for a new stream to the
     /// same server to resume them (konnectivity-rs servers, which negotiate it;
     /// docs/resume.md). The agent dials that server again at once, then with its
-    /// backoff. 0 closes them at once, as upstream does.
+    /// backoff. The node role's captured connections wait as long for a new stream of
+    /// the node tunnel. 0 closes them at once, as upstream does.
     #[arg(long, value_parser = parse_duration, default_value = "1m0s", help_heading = "konnectivity-rs additions")]
     pub resume_timeout: Duration,
 

@@ -339,7 +339,36 @@ pub fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
     let close = |connect_id| Frame::CloseRequest {
         connect_id: id(connect_id),
     };
+    // A node tunnel's resumable stream (switch bit 3): numbered DATA, lost
+    // and resumed halfway (bit 4), first with a count beyond what was sent
+    // (bit 5); and what must be refused on it.
+    let node_stream = || {
+        vec![
+            dial(1),
+            numbered(1, 0, 1000),
+            numbered(1, 1000, 1000),
+            numbered(1, 2000, 1000),
+            numbered(1, 3000, 1000),
+            numbered(1, 4000, 1000),
+        ]
+    };
     for (name, switches, frames) in [
+        ("node-resume-cut", 2 | 8 | 16, node_stream()),
+        ("node-resume-overreach", 2 | 8 | 16 | 32, node_stream()),
+        (
+            "node-unnumbered-gap-overack",
+            2 | 8,
+            vec![
+                dial(1),
+                data(1, 100),
+                numbered(1, 500, 10),
+                Frame::WindowUpdate {
+                    connect_id: id(1),
+                    bytes: 1 << 20,
+                    written: Some(1 << 40),
+                },
+            ],
+        ),
         ("dial-data-close", 2, vec![dial(1), data(1, 2048), close(1)]),
         (
             "flow-echo-bulk",

@@ -308,13 +308,30 @@ fn agent_attached(
 /// frontend), into a server whose one agent is a real agent session wired
 /// to it in memory; every dial reaches a local echo listener. Switches:
 /// bits 0 and 2, what was negotiated ([`extensions`]); bit 1, the client reads what it is sent
-/// (otherwise it reads nothing and goes away at the end).
+/// (otherwise it reads nothing and goes away at the end). Bit 3: the stream is a
+/// node tunnel's resumable one (docs/resume.md, "Node tunnels": DATA numbered
+/// both ways); bit 4, with the client reading: halfway through its packets the
+/// stream is lost and a new one resumes it, offering the token and what the
+/// client read (bit 5: first a count beyond what was sent, which must be
+/// refused and change nothing). The DATA the client reads across both streams
+/// must then continue each other: nothing lost, nothing twice.
 ///
 /// After the client's stream ends and the client is gone, the frontend
 /// must end, and no tunnel, pending dial or endpoint socket may be left on
 /// the server or the agent.
 pub fn frontend_stream(data: &[u8]) {
     frontend_exchange(data);
+}
+
+/// The DATA bytes among `frames`.
+fn data_read(frames: &[konnectivity_proto::Frame]) -> usize {
+    frames
+        .iter()
+        .map(|frame| match frame {
+            konnectivity_proto::Frame::Data { data, .. } => data.len(),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// What the harness's client has read so far.
@@ -349,12 +366,18 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
     use konnectivity_proto::Frame;
     use konnectivity_server::hooks::Dialer;
     use konnectivity_server::hooks::FrontendClass;
-    use konnectivity_server::hooks::serve_client;
+    use konnectivity_server::hooks::{
+        ClientAttachment, PeerIdentity, ResponseBody, Resumption, resume_client_stream, serve_client,
+        serve_resumable_client,
+    };
     use tokio_stream::StreamExt;
 
     let (switches, packets) = decode(data);
     let extensions = extensions(switches);
     let client_reads = switches & 2 != 0;
+    let resumable = switches & 8 != 0;
+    let cut_at = (resumable && client_reads && switches & 16 != 0).then_some(packets.len() / 2);
+    let overreach_first = switches & 32 != 0;
     runtime().block_on(async {
         let echo = echo_listener().await;
         let ServerSide {
@@ -403,16 +426,41 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
             node_allowed: Arc::new(Vec::new()),
             tunnel_limit: None,
         };
-        let (client, sent) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
-        let mut received = serve_client(dialer, UnboundedReceiverStream::new(sent));
+        let (mut client, sent) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
+        // Short, so that the stream the client leaves at the end closes soon.
+        let resumption = Resumption::<ClientAttachment>::new(Duration::from_millis(200), "server-1");
+        let node = PeerIdentity {
+            agent_id: "node tunnel".to_owned(),
+            proof: "certificate [\"node-1\"]".to_owned(),
+        };
+        let (received, token): (ResponseBody, _) = match resumable {
+            true => {
+                let (body, token) = serve_resumable_client(
+                    dialer.clone(),
+                    &resumption,
+                    node.clone(),
+                    UnboundedReceiverStream::new(sent),
+                );
+                (body, Some(token))
+            }
+            false => (
+                Box::pin(serve_client(dialer.clone(), UnboundedReceiverStream::new(sent))),
+                None,
+            ),
+        };
         let (answers_tx, answers) = watch::channel(Answers::default());
-        let reader = if client_reads {
-            tokio::spawn(async move {
-                while let Some(Ok(packet)) = received.next().await {
-                    answers_tx.send_modify(|answers| answers.frames.extend(Frame::try_from(packet).ok()));
-                }
-                answers_tx.send_modify(|answers| answers.ended = true);
-            })
+        let answers_tx = Arc::new(answers_tx);
+        // Kept only where the stream may be resumed: a client that does not
+        // read drops every sender, which is how waits for answers end.
+        let resume_tx = client_reads.then(|| answers_tx.clone());
+        let read_into = |mut body: ResponseBody, answers_tx: Arc<watch::Sender<Answers>>| async move {
+            while let Some(Ok(packet)) = body.next().await {
+                answers_tx.send_modify(|answers| answers.frames.extend(Frame::try_from(packet).ok()));
+            }
+            answers_tx.send_modify(|answers| answers.ended = true);
+        };
+        let mut reader = if client_reads {
+            tokio::spawn(read_into(received, answers_tx.clone()))
         } else {
             // Holds the answer unread for a while, then goes away. (Kept
             // short: it is most of what a run of this kind costs.)
@@ -430,7 +478,56 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
         let mut dialing = false;
         let mut sent_bytes = 0;
         let mut close_sent = false;
-        for packet in packets {
+        for (index, packet) in packets.into_iter().enumerate() {
+            if Some(index) == cut_at
+                && let Some(token) = &token
+            {
+                // The stream is lost under the client; a new one resumes it.
+                reader.abort();
+                let _ = (&mut reader).await;
+                let (next_client, next_sent) = mpsc::unbounded_channel();
+                drop(std::mem::replace(&mut client, next_client));
+                let read: usize = data_read(&answers.borrow().frames);
+                if overreach_first {
+                    let beyond = (read + (1 << 20)).to_string();
+                    let (_keep, nothing) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();
+                    let refused = resume_client_stream(
+                        &resumption,
+                        token,
+                        Some(&beyond),
+                        &node,
+                        UnboundedReceiverStream::new(nothing),
+                    )
+                    .await
+                    .err()
+                    .expect("a resume claiming bytes never sent must be refused");
+                    assert!(
+                        matches!(refused.code(), tonic::Code::OutOfRange | tonic::Code::NotFound),
+                        "{refused:?}"
+                    );
+                }
+                let resumed = resume_client_stream(
+                    &resumption,
+                    token,
+                    Some(&read.to_string()),
+                    &node,
+                    UnboundedReceiverStream::new(next_sent),
+                )
+                .await;
+                reader = match resumed {
+                    Ok((body, _)) => {
+                        tokio::spawn(read_into(body, resume_tx.clone().expect("the client reads")))
+                    }
+                    // The stream had already ended (its connection closed).
+                    Err(status) => {
+                        assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+                        if let Some(answers_tx) = &resume_tx {
+                            answers_tx.send_modify(|answers| answers.ended = true);
+                        }
+                        tokio::spawn(async {})
+                    }
+                };
+            }
             let frame = Frame::try_from(packet.clone()).ok();
             let _ = client.send(Ok(packet));
             if !client_reads {
@@ -500,6 +597,17 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
             .expect("the frontend's answer never ended after the client's stream did")
             .expect("the client's reader panicked");
         let read = answers.borrow().frames.clone();
+        if resumable {
+            // Numbered from 0 across every stream the client read: nothing
+            // lost, nothing twice.
+            let mut expected = 0;
+            for frame in &read {
+                if let Frame::Data { data, offset, .. } = frame {
+                    assert_eq!(*offset, Some(expected), "DATA out of place: {read:?}");
+                    expected += data.len() as u64;
+                }
+            }
+        }
         let proxy_streams = metrics.grpc_connections("Proxy");
         settles("the frontend outlived its client", || proxy_streams.get() == 0).await;
         settles("a tunnel outlived its client", || {
@@ -518,6 +626,32 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
 mod tests {
     use super::*;
     use konnectivity_proto::{ConnectId, Frame};
+
+    /// The node tunnel's mode is not vacuous either: numbered DATA lost
+    /// with its stream halfway (after a refused overreach) is all echoed,
+    /// numbered on across both streams.
+    #[test]
+    fn a_node_stream_resumed_halfway_echoes_everything_once() {
+        let connect_id = ConnectId::new(1).unwrap();
+        let mut frames = vec![Frame::DialRequest {
+            protocol: "tcp".into(),
+            address: "10.0.0.5:10250".into(),
+            dial_id: DialId::new(7),
+        }];
+        for offset in [0u64, 1000, 2000, 3000, 4000] {
+            frames.push(Frame::Data {
+                connect_id,
+                data: bytes::Bytes::from(vec![b'x'; 1000]),
+                offset: Some(offset),
+            });
+        }
+        let mut input = vec![2 | 8 | 16 | 32];
+        for frame in frames {
+            Packet::from(frame).encode_length_delimited(&mut input).unwrap();
+        }
+        let read = frontend_exchange(&input);
+        assert_eq!(data_read(&read), 5000, "{read:?}");
+    }
 
     /// The harness is not vacuous: a well-formed exchange goes all the way
     /// through the frontend, the server's and the agent's sessions to the

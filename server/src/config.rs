@@ -124,10 +124,12 @@ pub struct Args {
     #[arg(long, default_value_t = 0, help_heading = "konnectivity-rs additions")]
     pub max_tunnels_per_frontend: usize,
     /// How long the connections of a lost agent stream wait for the agent to resume
-    /// them on a new stream (konnectivity-rs agents, which negotiate it; docs/resume.md).
-    /// Meanwhile kube-apiserver's side of each sees a pause, not an error. While above 0,
-    /// agent connections are pinged every 5s (or --keepalive-time, if shorter), so a
-    /// silent agent is noticed within 10s. 0 closes them at once, as upstream does.
+    /// them on a new stream (konnectivity-rs agents, which negotiate it; docs/resume.md),
+    /// and a node tunnel's captured connection whose stream was lost waits for the node
+    /// agent. Meanwhile kube-apiserver's side of each sees a pause, not an error. While
+    /// above 0, agent and node tunnel connections are pinged every 5s (or the listener's
+    /// keepalive time, if shorter), so a silent peer is noticed within 10s. 0 closes
+    /// them at once, as upstream does.
     #[arg(long, value_parser = parse_duration, default_value = "1m0s", help_heading = "konnectivity-rs additions")]
     pub agent_resume_timeout: Duration,
     /// Authenticate agents by ServiceAccount token instead of client certificate:
@@ -276,7 +278,8 @@ pub struct Config {
     pub frontend_keepalive: Option<Duration>,
     /// `--graceful-shutdown-timeout`.
     pub graceful_shutdown_timeout: Duration,
-    /// `--agent-resume-timeout`; zero: agent streams are not resumable.
+    /// `--agent-resume-timeout`; zero: agent streams and node tunnels' streams
+    /// are not resumable.
     pub agent_resume_timeout: Duration,
     /// `--tls-min-version` and `--cipher-suites`, for every TLS listener.
     pub tls_offer: TlsOffer,

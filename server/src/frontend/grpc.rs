@@ -52,7 +52,7 @@ impl ProxyServer {
 }
 
 /// What a Proxy stream's response carries.
-pub(crate) type ResponseBody = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+pub type ResponseBody = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl ProxyService for ProxyServer {
@@ -98,8 +98,25 @@ fn serve_resumable(
     resumption: &Arc<Resumption<ClientAttachment>>,
     request: Request<Streaming<Packet>>,
 ) -> Response<ResponseBody> {
-    let ticket = resumption.issue(client_identity(&request), None);
-    let token = AsciiMetadataValue::try_from(ticket.token.as_str()).ok();
+    let identity = client_identity(&request);
+    let (body, token) = serve_resumable_client(dialer, resumption, identity, request.into_inner());
+    let mut response = Response::new(body);
+    if let Ok(token) = AsciiMetadataValue::try_from(token) {
+        response.metadata_mut().insert(RESUME_TOKEN, token);
+    }
+    response
+}
+
+/// [`serve_resumable`] without the gRPC envelope: the response's packets and
+/// the stream's token. (Public for the fuzz target.)
+pub fn serve_resumable_client(
+    dialer: Dialer,
+    resumption: &Arc<Resumption<ClientAttachment>>,
+    identity: PeerIdentity,
+    packets: impl Stream<Item = Result<Packet, Status>> + Send + Sync + 'static,
+) -> (ResponseBody, String) {
+    let ticket = resumption.issue(identity, None);
+    let token = ticket.token.clone();
     let queue = outbound(TO_CLIENT_QUEUE);
     let writer = queue.attach();
     let resume = StreamResume::new(
@@ -110,15 +127,11 @@ fn serve_resumable(
     );
     spawn_stream(
         dialer,
-        Box::pin(request.into_inner()),
+        Box::pin(packets),
         ToClientQueue::Resumable(queue),
         Some(Box::new(resume)),
     );
-    let mut response = Response::new(response_body(writer));
-    if let Some(token) = token {
-        response.metadata_mut().insert(RESUME_TOKEN, token);
-    }
-    response
+    (response_body(writer), token)
 }
 
 /// A stream that offers a token: it takes over the stream the token names,
@@ -131,18 +144,46 @@ async fn resume_client(
     let token = metadata
         .get(RESUME_TOKEN)
         .and_then(|value| value.to_str().ok())
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .to_owned();
     let received = metadata
         .get(RESUME_RECEIVED)
-        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
+        .map(|value| value.to_str().unwrap_or_default().to_owned());
+    let identity = client_identity(&request);
+    let (body, server_received) = resume_client_stream(
+        resumption,
+        &token,
+        received.as_deref(),
+        &identity,
+        request.into_inner(),
+    )
+    .await?;
+    let mut response = Response::new(body);
+    if let Ok(value) = AsciiMetadataValue::try_from(server_received.to_string()) {
+        response.metadata_mut().insert(RESUME_RECEIVED, value);
+    }
+    Ok(response)
+}
+
+/// [`resume_client`] without the gRPC envelope: `token` and `received` as the
+/// headers carried them; the response's packets and the bytes this side has
+/// received. (Public for the fuzz target.)
+pub async fn resume_client_stream(
+    resumption: &Resumption<ClientAttachment>,
+    token: &str,
+    received: Option<&str>,
+    identity: &PeerIdentity,
+    packets: impl Stream<Item = Result<Packet, Status>> + Send + Sync + 'static,
+) -> Result<(ResponseBody, u64), Status> {
+    let received = received
+        .and_then(|value| value.parse::<u64>().ok())
         .ok_or_else(|| {
             Status::invalid_argument(format!(
                 "resume refused: {RESUME_RECEIVED} must be one byte count"
             ))
         })?;
-    let identity = client_identity(&request);
     let session = resumption
-        .find(&[token], &identity)
+        .find(&[token], identity)
         .inspect_err(|refused| {
             tracing::warn!(error = refused.message(), "node tunnel stream's resume refused")
         })?
@@ -150,7 +191,7 @@ async fn resume_client(
     let gone = || Status::not_found("resume refused: the stream's connection has ended");
     let (answer, answered) = oneshot::channel();
     let attachment = ClientAttachment {
-        inbound: Box::pin(request.into_inner()),
+        inbound: Box::pin(packets),
         received,
         answer,
     };
@@ -159,11 +200,7 @@ async fn resume_client(
         .await
         .map_err(|_| gone())?;
     let (writer, server_received) = answered.await.map_err(|_| gone())??;
-    let mut response = Response::new(response_body(writer));
-    if let Ok(value) = AsciiMetadataValue::try_from(server_received.to_string()) {
-        response.metadata_mut().insert(RESUME_RECEIVED, value);
-    }
-    Ok(response)
+    Ok((response_body(writer), server_received))
 }
 
 /// What a client sends on its Proxy stream.

@@ -26,13 +26,13 @@ use super::grpc::ClientPackets;
 use crate::backend::resume::{Takeover, Ticket};
 
 /// A new `Proxy` stream that resumes a lost one.
-pub(crate) struct ClientAttachment {
-    pub inbound: ClientPackets,
+pub struct ClientAttachment {
+    pub(crate) inbound: ClientPackets,
     /// Bytes the client has received (and written out) so far.
-    pub received: u64,
+    pub(crate) received: u64,
     /// The writer that feeds the new stream's response, and the bytes this
     /// side has received; or why the resume was refused.
-    pub answer: oneshot::Sender<Result<(Writer, u64), Status>>,
+    pub(crate) answer: oneshot::Sender<Result<(Writer, u64), Status>>,
 }
 
 /// What a resumable `Proxy` stream keeps beside the plain one's state.
