@@ -26,4 +26,4 @@ mod stream;
 mod tunnel;
 
 pub use stream::TunnelStream;
-pub use tunnel::{ConnectError, DialError, Tunnel};
+pub use tunnel::{ConnectError, DialError, Tunnel, dial_response};

@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures_util::Stream;
 use hyper_util::rt::TokioIo;
 use konnectivity_proto::wire::proxy_service_client::ProxyServiceClient;
-use konnectivity_proto::{DialId, Frame, Packet};
+use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
@@ -193,26 +193,8 @@ impl Tunnel {
                 .await
                 .map_err(|status| DialError::TunnelClosed(status.to_string()))?;
             let mut inbound = response.into_inner();
-            loop {
-                let packet = inbound
-                    .message()
-                    .await
-                    .map_err(|status| DialError::TunnelClosed(status.to_string()))?
-                    .ok_or_else(|| DialError::TunnelClosed("stream ended before DIAL_RSP".to_owned()))?;
-                match Frame::try_from(packet) {
-                    Ok(Frame::DialResponse { dial_id: id, result }) if id == dial_id => {
-                        return match result {
-                            Ok(connect_id) => Ok((connect_id, inbound)),
-                            Err(error) if error == NO_AGENT => Err(DialError::NoAgent),
-                            Err(error) => Err(DialError::Failed(error)),
-                        };
-                    }
-                    Ok(other) => {
-                        tracing::warn!(kind = ?other.kind(), "unexpected packet before DIAL_RSP")
-                    }
-                    Err(error) => tracing::warn!(%error, "invalid packet before DIAL_RSP"),
-                }
-            }
+            let connect_id = dial_response(&mut inbound, dial_id).await?;
+            Ok((connect_id, inbound))
         };
         let answer = tokio::time::timeout(self.dial_timeout, handshake).await;
         // Any answer ends the dial on the server; only a timeout leaves it
@@ -222,6 +204,29 @@ impl Tunnel {
         drop(cancel);
         let (connect_id, inbound) = answer.map_err(|_| DialError::Timeout(self.dial_timeout))??;
         Ok(TunnelStream::new(connect_id, outbound, inbound))
+    }
+}
+
+/// Reads the server's packets on a dial's stream up to the answer to
+/// `dial_id`: the connection's id, or why there is none.
+pub async fn dial_response(inbound: &mut Streaming<Packet>, dial_id: DialId) -> Result<ConnectId, DialError> {
+    loop {
+        let packet = inbound
+            .message()
+            .await
+            .map_err(|status| DialError::TunnelClosed(status.to_string()))?
+            .ok_or_else(|| DialError::TunnelClosed("stream ended before DIAL_RSP".to_owned()))?;
+        match Frame::try_from(packet) {
+            Ok(Frame::DialResponse { dial_id: id, result }) if id == dial_id => {
+                return match result {
+                    Ok(connect_id) => Ok(connect_id),
+                    Err(error) if error == NO_AGENT => Err(DialError::NoAgent),
+                    Err(error) => Err(DialError::Failed(error)),
+                };
+            }
+            Ok(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet before DIAL_RSP"),
+            Err(error) => tracing::warn!(%error, "invalid packet before DIAL_RSP"),
+        }
     }
 }
 

@@ -6,9 +6,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::serving::peer_certificate_names;
 use futures_util::{Stream, StreamExt};
 use konnectivity_mux::{Extensions, flow};
-use konnectivity_plumbing::tls::certificate_names;
 use konnectivity_proto::metadata::{
     AGENT_ID, AGENT_IDENTIFIERS, AGENT_INSTANCE, PROBE, RESUME, RESUME_TOKEN, RESUMED, SERVER_COUNT,
     SERVER_ID,
@@ -17,7 +17,6 @@ use konnectivity_proto::wire::agent_service_server::AgentService;
 use konnectivity_proto::{AgentIdentifiers, Packet};
 use konnectivity_telemetry::metrics::GaugeGuard;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::backend::registry::Registry;
@@ -135,12 +134,7 @@ impl AgentService for AgentServer {
             .metadata()
             .get(flow::HEADER)
             .is_some_and(|value| value == flow::VERSION);
-        let certificate_names = request
-            .extensions()
-            .get::<TlsConnectInfo<TcpConnectInfo>>()
-            .and_then(TlsConnectInfo::peer_certs)
-            .and_then(|certs| certs.first().map(|cert| certificate_names(cert)))
-            .unwrap_or_default();
+        let certificate_names = peer_certificate_names(&request);
         if control_plane {
             // The role comes from our configuration, bound to the verified
             // certificate: an agent cannot promote itself by its id alone.

@@ -91,6 +91,18 @@ pub(crate) fn keepalive_with_resume(
     }
 }
 
+/// The names of the client certificate a gRPC request's TLS connection
+/// presented (empty on a Unix socket, or without one).
+pub(crate) fn peer_certificate_names<T>(request: &tonic::Request<T>) -> Vec<String> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    request
+        .extensions()
+        .get::<TlsConnectInfo<TcpConnectInfo>>()
+        .and_then(TlsConnectInfo::peer_certs)
+        .and_then(|certs| certs.first().map(|cert| tls::certificate_names(cert)))
+        .unwrap_or_default()
+}
+
 pub(crate) fn grpc_server(keepalive: Option<Duration>) -> tonic::transport::Server {
     tonic::transport::Server::builder()
         .http2_keepalive_interval(keepalive)

@@ -9,85 +9,45 @@
 
 use std::time::{Duration, Instant};
 
-use crate::support::certs::Pki;
-use crate::support::cluster::{memory_back_to, open_fds, settled_fds};
+use crate::support::cluster::{open_fds, settled_fds};
 use crate::support::connect::via_uds;
-use crate::support::netns::{Netns, link, root_or_skip};
+use crate::support::netns::root_or_skip;
+use crate::support::split::{NODE_IP, READY, SERVER_HEALTH, Split};
 use crate::support::targets::{self, pattern_digest};
-use crate::support::{TempDir, wait_until};
+use crate::support::wait_until;
 
-const SERVER_IP: &str = "10.222.0.2";
-const NODE_IP: &str = "10.222.0.1";
-const AGENT_PORT: u16 = 8091;
-const SERVER_HEALTH: u16 = 8092;
-const AGENT_HEALTH: u16 = 8093;
-const READY: &str = "konnectivity_network_proxy_server_ready_backend_connections";
 const MIB: u64 = 1024 * 1024;
-const SERVER_HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
-const AGENT_HEAP: &str = "konnectivity_network_proxy_agent_runtime_heap_bytes";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
     if !root_or_skip("a_partition_longer_than_the_keepalive_fails_cleanly_and_heals") {
         return;
     }
-    let dir = TempDir::new("konn-partition");
-    let pki = Pki::new(dir.path());
-    let node = Netns::new("node");
-    let control_plane = Netns::new("cp");
-    link(
-        &node,
-        &format!("{NODE_IP}/24"),
-        &control_plane,
-        &format!("{SERVER_IP}/24"),
-    );
-
-    let socket = dir.path().join("frontend.sock");
-    let server = control_plane.spawn(
-        "proxy-server",
+    let split = Split::start(
+        "konn-partition",
         &[
-            "--mode=http-connect".to_owned(),
-            format!("--uds-name={}", socket.display()),
-            "--server-port=0".to_owned(),
-            format!("--agent-port={AGENT_PORT}"),
-            format!("--health-port={SERVER_HEALTH}"),
-            format!("--cluster-cert={}", pki.server.cert.display()),
-            format!("--cluster-key={}", pki.server.key.display()),
-            format!("--cluster-ca-cert={}", pki.ca.display()),
             // Pings every 2 s, each answered within 2 s or the stream is dropped.
             "--keepalive-time=2s".to_owned(),
             "--agent-resume-timeout=0".to_owned(),
         ],
-        dir.path(),
-    );
-    let agent = node.spawn(
-        "proxy-agent",
         &[
-            format!("--proxy-server-host={SERVER_IP}"),
-            format!("--proxy-server-port={AGENT_PORT}"),
-            format!("--ca-cert={}", pki.ca.display()),
-            format!("--agent-cert={}", pki.agent.cert.display()),
-            format!("--agent-key={}", pki.agent.key.display()),
-            "--agent-id=node-agent".to_owned(),
             format!("--agent-identifiers=ipv4={NODE_IP}"),
-            format!("--health-server-port={AGENT_HEALTH}"),
-            "--sync-interval=100ms".to_owned(),
-            "--sync-interval-cap=500ms".to_owned(),
             "--probe-interval=500ms".to_owned(),
             "--resume-timeout=0".to_owned(),
         ],
-        dir.path(),
-    );
-    let cp = &control_plane;
-    wait_until(Duration::from_secs(15), "the agent to connect", || async {
-        cp.metric(SERVER_HEALTH, READY) == Some(1.0)
-    })
+    )
     .await;
-
-    // The target lives on the node, where only the agent can reach it.
-    let listener = node.bind_tcp(&format!("{NODE_IP}:0"));
-    let target = targets::blob_on(tokio::net::TcpListener::from_std(listener).unwrap()).await;
-    let target = target.addr.to_string();
+    let Split {
+        server,
+        agent,
+        socket,
+        target,
+        node,
+        control_plane,
+        ..
+    } = &split;
+    let (socket, target) = (socket.clone(), target.clone());
+    let cp = control_plane;
     let transfer = |len: u64, seed: u64| {
         let socket = socket.clone();
         let target = target.clone();
@@ -106,15 +66,6 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
             Ok::<_, std::io::Error>(())
         }
     };
-    // The heap (KiB) of the server and of the agent, from their metrics.
-    let heap = || {
-        let kib =
-            |netns: &Netns, port, family| netns.metric(port, family).map_or(0, |bytes| bytes as u64 / 1024);
-        (
-            kib(&control_plane, SERVER_HEALTH, SERVER_HEAP),
-            kib(&node, AGENT_HEALTH, AGENT_HEAP),
-        )
-    };
     // The same transfer as after the partition, so the baseline holds what
     // it needs; twice, memory the higher of the two (as Resources::highest).
     let mut memory = (0, 0);
@@ -122,7 +73,7 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
         transfer(16 * MIB, seed).await.unwrap();
         settled_fds(server.pid()).await;
         settled_fds(agent.pid()).await;
-        let now = heap();
+        let now = split.heap_kib();
         memory = (memory.0.max(now.0), memory.1.max(now.1));
     }
     let fds = (open_fds(server.pid()), open_fds(agent.pid()));
@@ -178,27 +129,5 @@ async fn a_partition_longer_than_the_keepalive_fails_cleanly_and_heals() {
     );
     transfer(16 * MIB, 2).await.unwrap();
 
-    let node_ref = &node;
-    let current = || async {
-        let endpoints = node_ref.metric(
-            AGENT_HEALTH,
-            "konnectivity_network_proxy_agent_open_endpoint_connections",
-        );
-        let now_fds = (open_fds(server.pid()), open_fds(agent.pid()));
-        let now_memory = heap();
-        let back = endpoints == Some(0.0)
-            && now_fds == fds
-            && memory_back_to(now_memory.0, memory.0)
-            && memory_back_to(now_memory.1, memory.1);
-        (back, (endpoints, now_fds, now_memory))
-    };
-    let (endpoints, now_fds, now_memory) =
-        crate::support::wait_until_or_last(Duration::from_secs(15), current).await;
-    eprintln!("heap (server, agent) before {memory:?} KiB, after {now_memory:?} KiB");
-    assert_eq!(endpoints, Some(0.0), "the agent's endpoint connections");
-    assert_eq!(now_fds, fds, "(server, agent) descriptors");
-    assert!(
-        memory_back_to(now_memory.0, memory.0) && memory_back_to(now_memory.1, memory.1),
-        "heap more than 10% above its baseline"
-    );
+    split.assert_back_to(fds, memory).await;
 }

@@ -6,7 +6,7 @@
 //! longest pause stays short.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -48,6 +48,43 @@ fn cut_agent_connections(port: u16) -> usize {
         .skip(1)
         .filter(|line| !line.trim().is_empty())
         .count()
+}
+
+/// Cuts the agent's connection to `port` 20 times, 200 ms apart, while
+/// transfers run; a cut finds the connection only once the agent has
+/// reconnected, so it waits for one each time.
+async fn cut_twenty_times(port: u16) {
+    let mut cuts = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while cuts < 20 {
+        assert!(Instant::now() < deadline, "20 cuts did not happen within 120 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if cut_agent_connections(port) > 0 {
+            cuts += 1;
+        }
+    }
+}
+
+/// The download of `len` bytes (pattern `seed`) and the upload, run across
+/// the cuts, arrived unchanged.
+async fn transfers_intact(
+    download: tokio::task::JoinHandle<std::io::Result<[u8; 32]>>,
+    upload: tokio::task::JoinHandle<std::io::Result<([u8; 32], [u8; 32])>>,
+    len: u64,
+    seed: u64,
+) {
+    let downloaded = tokio::time::timeout(Duration::from_secs(300), download)
+        .await
+        .expect("the download finishes")
+        .unwrap()
+        .expect("the download survives the cuts");
+    assert_eq!(downloaded, pattern_digest(len, seed), "downloaded bytes changed");
+    let (sent, received) = tokio::time::timeout(Duration::from_secs(300), upload)
+        .await
+        .expect("the upload finishes")
+        .unwrap()
+        .expect("the upload survives the cuts");
+    assert_eq!(sent, received, "uploaded bytes changed");
 }
 
 /// Numbered lines through an echo connection, one every 10 ms, each read
@@ -119,31 +156,8 @@ async fn twenty_cuts_of_the_agent_stream_lose_and_double_nothing() {
     let stop = Arc::new(AtomicBool::new(false));
     let lines = tokio::spawn(numbered_lines(uds.clone(), address.clone(), stop.clone()));
 
-    // Cuts every 200 ms while the transfers run; a cut finds the agent's
-    // connection only once it has reconnected, so wait for one each time.
-    let cuts = Arc::new(AtomicU64::new(0));
-    let port = setup.server.agent_port;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while cuts.load(Ordering::Relaxed) < 20 {
-        assert!(Instant::now() < deadline, "20 cuts did not happen within 120 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if cut_agent_connections(port) > 0 {
-            cuts.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    let downloaded = tokio::time::timeout(Duration::from_secs(300), download)
-        .await
-        .expect("the download finishes")
-        .unwrap()
-        .expect("the download survives the cuts");
-    assert_eq!(downloaded, pattern_digest(len, 7), "downloaded bytes changed");
-    let (sent, received) = tokio::time::timeout(Duration::from_secs(300), upload)
-        .await
-        .expect("the upload finishes")
-        .unwrap()
-        .expect("the upload survives the cuts");
-    assert_eq!(sent, received, "uploaded bytes changed");
+    cut_twenty_times(setup.server.agent_port).await;
+    transfers_intact(download, upload, len, 7).await;
     stop.store(true, Ordering::Relaxed);
     let (count, longest) = lines.await.unwrap();
     assert!(count > 0);
@@ -217,28 +231,8 @@ async fn twenty_cuts_under_grpc_tunnels_lose_and_double_nothing() {
         })
     };
 
-    let port = setup.server.agent_port;
-    let mut cuts = 0;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while cuts < 20 {
-        assert!(Instant::now() < deadline, "20 cuts did not happen within 120 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if cut_agent_connections(port) > 0 {
-            cuts += 1;
-        }
-    }
-    let downloaded = tokio::time::timeout(Duration::from_secs(300), download)
-        .await
-        .expect("the download finishes")
-        .unwrap()
-        .expect("the download survives the cuts");
-    assert_eq!(downloaded, pattern_digest(len, 17), "downloaded bytes changed");
-    let (sent, received) = tokio::time::timeout(Duration::from_secs(300), upload)
-        .await
-        .expect("the upload finishes")
-        .unwrap()
-        .expect("the upload survives the cuts");
-    assert_eq!(sent, received, "uploaded bytes changed");
+    cut_twenty_times(setup.server.agent_port).await;
+    transfers_intact(download, upload, len, 17).await;
     let output = tokio::time::timeout(Duration::from_secs(60), lines)
         .await
         .expect("the grpc-go client finishes")
@@ -266,84 +260,33 @@ async fn twenty_cuts_under_grpc_tunnels_lose_and_double_nothing() {
 /// is back to its descriptors and heap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_link_resumes_within_the_timeout_and_closes_cleanly_after_it() {
-    use crate::support::certs::Pki;
-    use crate::support::cluster::{memory_back_to, open_fds, settled_fds};
-    use crate::support::netns::{Netns, link};
-    use crate::support::{TempDir, wait_until};
+    use crate::support::cluster::{open_fds, settled_fds};
+    use crate::support::split::{READY, SERVER_HEALTH, Split};
+    use crate::support::wait_until;
 
     if !root_or_skip("a_silent_link_resumes_within_the_timeout_and_closes_cleanly_after_it") {
         return;
     }
-    // The addresses the test certificates name (as tests/tests/partition.rs).
-    const SERVER_IP: &str = "10.222.0.2";
-    const NODE_IP: &str = "10.222.0.1";
-    const AGENT_PORT: u16 = 8091;
-    const SERVER_HEALTH: u16 = 8092;
-    const AGENT_HEALTH: u16 = 8093;
-    const READY: &str = "konnectivity_network_proxy_server_ready_backend_connections";
-    const SERVER_HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
-    const AGENT_HEAP: &str = "konnectivity_network_proxy_agent_runtime_heap_bytes";
     // Long enough for a 20 s silence and the reconnection after it.
     const RESUME_TIMEOUT: &str = "30s";
 
-    let dir = TempDir::new("konn-silence");
-    let pki = Pki::new(dir.path());
-    let node = Netns::new("node");
-    let control_plane = Netns::new("cp");
-    link(
-        &node,
-        &format!("{NODE_IP}/24"),
-        &control_plane,
-        &format!("{SERVER_IP}/24"),
-    );
-    let socket = dir.path().join("frontend.sock");
-    let server = control_plane.spawn(
-        "proxy-server",
-        &[
-            "--mode=http-connect".to_owned(),
-            format!("--uds-name={}", socket.display()),
-            "--server-port=0".to_owned(),
-            format!("--agent-port={AGENT_PORT}"),
-            format!("--health-port={SERVER_HEALTH}"),
-            format!("--cluster-cert={}", pki.server.cert.display()),
-            format!("--cluster-key={}", pki.server.key.display()),
-            format!("--cluster-ca-cert={}", pki.ca.display()),
-            format!("--agent-resume-timeout={RESUME_TIMEOUT}"),
-        ],
-        dir.path(),
-    );
-    let agent = node.spawn(
-        "proxy-agent",
-        &[
-            format!("--proxy-server-host={SERVER_IP}"),
-            format!("--proxy-server-port={AGENT_PORT}"),
-            format!("--ca-cert={}", pki.ca.display()),
-            format!("--agent-cert={}", pki.agent.cert.display()),
-            format!("--agent-key={}", pki.agent.key.display()),
-            "--agent-id=node-agent".to_owned(),
-            format!("--health-server-port={AGENT_HEALTH}"),
-            "--sync-interval=100ms".to_owned(),
-            "--sync-interval-cap=500ms".to_owned(),
-            format!("--resume-timeout={RESUME_TIMEOUT}"),
-        ],
-        dir.path(),
-    );
-    let cp = &control_plane;
-    wait_until(Duration::from_secs(15), "the agent to connect", || async {
-        cp.metric(SERVER_HEALTH, READY) == Some(1.0)
-    })
+    let split = Split::start(
+        "konn-silence",
+        &[format!("--agent-resume-timeout={RESUME_TIMEOUT}")],
+        &[format!("--resume-timeout={RESUME_TIMEOUT}")],
+    )
     .await;
-    let listener = node.bind_tcp(&format!("{NODE_IP}:0"));
-    let target = targets::blob_on(tokio::net::TcpListener::from_std(listener).unwrap()).await;
-    let target = target.addr.to_string();
-    let heap = || {
-        let kib =
-            |netns: &Netns, port, family| netns.metric(port, family).map_or(0, |bytes| bytes as u64 / 1024);
-        (
-            kib(cp, SERVER_HEALTH, SERVER_HEAP),
-            kib(&node, AGENT_HEALTH, AGENT_HEAP),
-        )
-    };
+    let Split {
+        server,
+        agent,
+        socket,
+        target,
+        node,
+        control_plane,
+        ..
+    } = &split;
+    let (socket, target) = (socket.clone(), target.clone());
+    let cp = control_plane;
     let round_trip = |seed: u64| {
         let (socket, target) = (socket.clone(), target.clone());
         async move {
@@ -360,7 +303,7 @@ async fn a_silent_link_resumes_within_the_timeout_and_closes_cleanly_after_it() 
         round_trip(seed).await;
         settled_fds(server.pid()).await;
         settled_fds(agent.pid()).await;
-        let now = heap();
+        let now = split.heap_kib();
         memory = (memory.0.max(now.0), memory.1.max(now.1));
     }
     let fds = (open_fds(server.pid()), open_fds(agent.pid()));
@@ -441,29 +384,7 @@ async fn a_silent_link_resumes_within_the_timeout_and_closes_cleanly_after_it() 
     )
     .await;
     round_trip(3).await;
-    let node_ref = &node;
-    let current = || async {
-        let endpoints = node_ref.metric(
-            AGENT_HEALTH,
-            "konnectivity_network_proxy_agent_open_endpoint_connections",
-        );
-        let now_fds = (open_fds(server.pid()), open_fds(agent.pid()));
-        let now_memory = heap();
-        let back = endpoints == Some(0.0)
-            && now_fds == fds
-            && memory_back_to(now_memory.0, memory.0)
-            && memory_back_to(now_memory.1, memory.1);
-        (back, (endpoints, now_fds, now_memory))
-    };
-    let (endpoints, now_fds, now_memory) =
-        crate::support::wait_until_or_last(Duration::from_secs(15), current).await;
-    eprintln!("heap (server, agent) before {memory:?} KiB, after {now_memory:?} KiB");
-    assert_eq!(endpoints, Some(0.0), "the agent's endpoint connections");
-    assert_eq!(now_fds, fds, "(server, agent) descriptors");
-    assert!(
-        memory_back_to(now_memory.0, memory.0) && memory_back_to(now_memory.1, memory.1),
-        "heap more than 10% above its baseline"
-    );
+    split.assert_back_to(fds, memory).await;
     let timed_out = cp.metric(
         SERVER_HEALTH,
         "konnectivity_network_proxy_server_resume_timeouts_total",

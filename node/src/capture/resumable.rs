@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use konnectivity_client::{DialError, Tunnel};
+use konnectivity_client::{DialError, Tunnel, dial_response};
 use konnectivity_mux::Extensions;
 use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
 use konnectivity_mux::outbound::{Outbound, outbound};
@@ -38,8 +38,6 @@ const QUEUE: usize = 64;
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The pause between attempts that failed for want of a connection.
 const RETRY_AFTER: Duration = Duration::from_millis(100);
-/// The server's text for "no backend", as upstream servers write it.
-const NO_AGENT: &str = "No agent available";
 
 /// What every resumable connection shares.
 #[derive(Clone)]
@@ -85,24 +83,8 @@ pub(crate) async fn dial(
             .open(headers, queue.attach())
             .await
             .map_err(|status| DialError::TunnelClosed(status.to_string()))?;
-        loop {
-            let packet = inbound
-                .message()
-                .await
-                .map_err(|status| DialError::TunnelClosed(status.to_string()))?
-                .ok_or_else(|| DialError::TunnelClosed("stream ended before DIAL_RSP".to_owned()))?;
-            match Frame::try_from(packet) {
-                Ok(Frame::DialResponse { dial_id: id, result }) if id == dial_id => {
-                    return match result {
-                        Ok(connect_id) => Ok((connect_id, inbound, headers.get(RESUME_TOKEN).cloned())),
-                        Err(error) if error == NO_AGENT => Err(DialError::NoAgent),
-                        Err(error) => Err(DialError::Failed(error)),
-                    };
-                }
-                Ok(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet before DIAL_RSP"),
-                Err(error) => tracing::warn!(%error, "invalid packet before DIAL_RSP"),
-            }
-        }
+        let connect_id = dial_response(&mut inbound, dial_id).await?;
+        Ok((connect_id, inbound, headers.get(RESUME_TOKEN).cloned()))
     };
     match tokio::time::timeout(timeout, handshake).await {
         Ok(Ok((connect_id, inbound, token))) => Ok(Dialed {

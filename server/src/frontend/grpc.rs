@@ -9,10 +9,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::serving::peer_certificate_names;
 use futures_util::{Stream, StreamExt};
 use konnectivity_mux::outbound::{Outbound, outbound};
 use konnectivity_mux::replay::Arrival;
-use konnectivity_plumbing::tls::certificate_names;
 use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
 use konnectivity_proto::wire::proxy_service_server::ProxyService;
 use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
@@ -20,7 +20,6 @@ use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::AsciiMetadataValue;
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::resume::{ClientAttachment, StreamResume, response_body};
@@ -79,12 +78,7 @@ impl ProxyService for ProxyServer {
 /// Who a node tunnel's client proved to be: its certificate's names. A
 /// stream resumes only a stream of the same names.
 fn client_identity<T>(request: &Request<T>) -> PeerIdentity {
-    let names = request
-        .extensions()
-        .get::<TlsConnectInfo<TcpConnectInfo>>()
-        .and_then(TlsConnectInfo::peer_certs)
-        .and_then(|certs| certs.first().map(|cert| certificate_names(cert)))
-        .unwrap_or_default();
+    let names = peer_certificate_names(request);
     PeerIdentity {
         agent_id: "node tunnel".to_owned(),
         proof: format!("certificate {names:?}"),

@@ -20,6 +20,7 @@ pub mod load;
 pub mod netns;
 pub mod procs;
 pub mod scrape;
+pub mod split;
 pub mod targets;
 
 use std::future::Future;
