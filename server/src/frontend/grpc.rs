@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::serving::peer_certificate_names;
+use futures_util::future::{BoxFuture, Either, Ready, ready};
 use futures_util::{Stream, StreamExt};
-use konnectivity_mux::outbound::{Outbound, outbound};
+use konnectivity_mux::outbound::{Outbound, Queueing, outbound};
 use konnectivity_mux::replay::Arrival;
 use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
 use konnectivity_proto::wire::proxy_service_server::ProxyService;
@@ -289,15 +290,27 @@ enum RelayEnd {
     ClientGone,
 }
 
+/// A packet on its way to the client: done at once while the queue has
+/// room. Not an `async fn`: every tunnel's task awaits one, and the wait
+/// for room (rare) is boxed so that it does not sit in each of them (as
+/// `konnectivity_mux::outbound::Queueing`).
+type ClientSend<'a> = Either<Ready<Result<(), ClientGone>>, BoxFuture<'a, Result<(), ClientGone>>>;
+
 impl ClientOutbound {
-    async fn send(&self, frame: Frame) -> Result<(), ClientGone> {
+    fn send(&self, frame: Frame) -> ClientSend<'_> {
         self.metrics.packet(Segment::ToClient, frame.kind());
         match &self.to_client {
-            ToClientQueue::Plain(to_client) => to_client
-                .send(Box::new(Ok(frame.into())))
-                .await
-                .map_err(|_| ClientGone),
-            ToClientQueue::Resumable(queue) => queue.send(frame.into()).await.map_err(|_| ClientGone),
+            ToClientQueue::Plain(to_client) => match to_client.try_send(Box::new(Ok(frame.into()))) {
+                Ok(()) => Either::Left(ready(Ok(()))),
+                Err(mpsc::error::TrySendError::Closed(_)) => Either::Left(ready(Err(ClientGone))),
+                Err(mpsc::error::TrySendError::Full(packet)) => Either::Right(Box::pin(async move {
+                    to_client.send(packet).await.map_err(|_| ClientGone)
+                })),
+            },
+            ToClientQueue::Resumable(queue) => match queue.send(frame.into()) {
+                Queueing::Done(result) => Either::Left(ready(result.map_err(|_| ClientGone))),
+                waiting => Either::Right(Box::pin(async move { waiting.await.map_err(|_| ClientGone) })),
+            },
         }
     }
 }
