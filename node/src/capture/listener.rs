@@ -78,27 +78,33 @@ async fn handle(mut connection: TcpStream, context: Arc<CaptureContext>) {
         metrics.captured(CaptureOutcome::UnknownDestination);
         return reset(connection);
     };
-    let tunnel = context.tunnel.borrow().clone();
-    let Some(tunnel) = tunnel else {
-        metrics.captured(CaptureOutcome::TunnelUnavailable);
-        return reset(connection);
-    };
-    let resume = ResumeContext {
-        tunnels: context.tunnel.clone(),
-        timeout: context.resume_timeout,
-        metrics: metrics.resumes.clone(),
-    };
-    let dialed = match resumable::dial(&tunnel, &target.to_string(), &resume, DIAL_TIMEOUT).await {
-        Ok(dialed) => dialed,
-        Err(error) => {
-            tracing::warn!(%orig, %target, %error, "captured connection could not be tunneled");
-            metrics.captured(CaptureOutcome::DialFailed);
+    // Dialed in a block of its own: what only the dial needs (the tunnel,
+    // the dial's result, moved into the relay) is then not kept in the task
+    // for the connection's life.
+    let relay = {
+        let tunnel = context.tunnel.borrow().clone();
+        let Some(tunnel) = tunnel else {
+            metrics.captured(CaptureOutcome::TunnelUnavailable);
             return reset(connection);
+        };
+        let resume = ResumeContext {
+            tunnels: context.tunnel.clone(),
+            timeout: context.resume_timeout,
+            metrics: metrics.resumes.clone(),
+        };
+        match resumable::dial(&tunnel, &target.to_string(), &resume, DIAL_TIMEOUT).await {
+            Ok(dialed) => resumable::relay(&mut connection, dialed, resume),
+            Err(error) => {
+                tracing::warn!(%orig, %target, %error, "captured connection could not be tunneled");
+                metrics.captured(CaptureOutcome::DialFailed);
+                return reset(connection);
+            }
         }
     };
     metrics.captured(CaptureOutcome::Tunneled);
     let _open = GaugeGuard::new(&metrics.captured_connections_open);
-    if let Err(error) = resumable::relay(&mut connection, dialed, resume).await {
+    let outcome = relay.await;
+    if let Err(error) = outcome {
         tracing::debug!(%orig, %error, "captured connection ended with an error");
         reset(connection);
     }

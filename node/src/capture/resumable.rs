@@ -12,6 +12,7 @@
 //! server that does not agree (upstream's, or `--agent-resume-timeout=0`)
 //! gets the plain protocol, and a lost stream resets the connection.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -112,11 +113,14 @@ type Failure = String;
 /// Carries `socket` over the dialed stream until either side closes it.
 /// `Ok` when the remote end closed cleanly; an error (the socket is then
 /// reset by the caller) when it failed or could not be resumed.
-pub(crate) async fn relay(
+///
+/// Not an `async fn`: one would keep `dialed` and `context` in the task
+/// beside the state built from them, for as long as the connection lives.
+pub(crate) fn relay(
     socket: &mut TcpStream,
     dialed: Dialed,
     context: ResumeContext,
-) -> Result<(), Failure> {
+) -> impl Future<Output = Result<(), Failure>> + '_ {
     let Dialed {
         connect_id,
         queue,
@@ -129,7 +133,6 @@ pub(crate) async fn relay(
     };
     let window = SendWindow::new(extensions);
     let (gate, credit) = receive_window(extensions);
-    let (read, write) = socket.split();
     let close_requested = Arc::new(AtomicBool::new(false));
     let mut down = Down {
         connect_id,
@@ -142,15 +145,18 @@ pub(crate) async fn relay(
         context,
         close_requested: close_requested.clone(),
     };
-    let up = up(read, connect_id, queue.clone(), window, close_requested);
-    let outcome = tokio::select! {
-        outcome = down.run(write) => outcome,
-        // Only a queue closed ends it: the stream's side decides the rest.
-        () = up => Err("the connection's stream ended".to_owned()),
-    };
-    // Its writer sends what is queued, then ends the stream cleanly.
-    queue.close();
-    outcome
+    async move {
+        let (read, write) = socket.split();
+        let up = up(read, connect_id, queue.clone(), window, close_requested);
+        let outcome = tokio::select! {
+            outcome = down.run(write) => outcome,
+            // Only a queue closed ends it: the stream's side decides the rest.
+            () = up => Err("the connection's stream ended".to_owned()),
+        };
+        // Its writer sends what is queued, then ends the stream cleanly.
+        queue.close();
+        outcome
+    }
 }
 
 /// The captured client's bytes, numbered (with resume) and queued for the
