@@ -28,10 +28,8 @@ pub mod hooks {
     pub use crate::backend::strategy::{Strategy, parse_strategies};
     pub use crate::backend::{Announced, Backend, BackendId, Command, Event, session};
     pub use crate::frontend::connect::{MAX_HEAD, parse_head};
-    pub use crate::frontend::grpc::{
-        ResponseBody, resume_client_stream, serve_client, serve_resumable_client,
-    };
-    pub use crate::frontend::resume::ClientAttachment;
+    pub use crate::frontend::grpc::{resume_client_stream, serve_client, serve_resumable_client};
+    pub use crate::frontend::resume::{ClientAttachment, ResponseBody};
     pub use crate::metrics::ServerMetrics;
     pub use crate::policy::{FrontendClass, parse_allowed};
     pub use crate::token_auth::CACHE_TTL as TOKEN_CACHE_TTL;

@@ -5,7 +5,6 @@
 //! The dial itself and the data path are the same [`Dialer`] and tunnel as
 //! the HTTP CONNECT frontend uses; only the framing towards the client differs.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -23,7 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::resume::{ClientAttachment, StreamResume, response_body};
+use super::resume::{ClientAttachment, ClientPackets, ResponseBody, StreamResume, response_body};
 use crate::backend::resume::{PeerIdentity, Resumption, Takeover};
 use crate::metrics::{Segment, ServerMetrics};
 use crate::tunnel::{DialError, Dialer, TunnelConn, TunnelEnd};
@@ -50,9 +49,6 @@ impl ProxyServer {
         ProxyServer { dialer, resumption }
     }
 }
-
-/// What a Proxy stream's response carries.
-pub type ResponseBody = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl ProxyService for ProxyServer {
@@ -197,9 +193,6 @@ pub async fn resume_client_stream(
     let (writer, server_received) = answered.await.map_err(|_| gone())??;
     Ok((response_body(writer), server_received))
 }
-
-/// What a client sends on its Proxy stream.
-pub(crate) type ClientPackets = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send + Sync>>;
 
 /// Serves one client's Proxy stream: `packets` is what the client sends, the
 /// stream returned what it receives. (Public for the fuzz target, which

@@ -10,20 +10,26 @@
 //! over, and each side sends again what the other lacks. kube-apiserver's
 //! streams never ask, and are served exactly as upstream serves them.
 
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 use konnectivity_mux::Extensions;
 use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
 use konnectivity_mux::outbound::{Outbound, Writer};
 use konnectivity_mux::replay::{Arrival, arrival};
-use konnectivity_proto::{ConnectId, Frame};
+use konnectivity_proto::{ConnectId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
 use tokio::sync::oneshot;
 use tonic::Status;
 
-use super::grpc::ClientPackets;
 use crate::backend::resume::{Takeover, Ticket};
+
+/// What a client sends on its `Proxy` stream.
+pub(crate) type ClientPackets = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send + Sync>>;
+
+/// What a `Proxy` stream's response carries.
+pub type ResponseBody = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 
 /// A new `Proxy` stream that resumes a lost one.
 pub struct ClientAttachment {
@@ -156,6 +162,6 @@ impl StreamResume {
 }
 
 /// The response body of a resumable stream: what its writer sends.
-pub(crate) fn response_body(writer: Writer) -> super::grpc::ResponseBody {
+pub(crate) fn response_body(writer: Writer) -> ResponseBody {
     Box::pin(writer.map(Ok))
 }
