@@ -25,8 +25,9 @@ const TUNNEL_KEEPALIVE: Duration = Duration::from_secs(5);
 const TUNNEL_RETRY_CAP: Duration = Duration::from_secs(3);
 
 /// Keeps the node tunnel for as long as the agent runs, so that readiness
-/// follows it: captured connections are reset while it is down, and
-/// `/readyz` says so. The tunnel is probed every second; one that stops
+/// follows it: new captured connections are reset while it is down
+/// (established ones wait to resume on the next connection), and `/readyz`
+/// says so. The tunnel is probed every second; one that stops
 /// answering is replaced by a new connection (the old one's TCP connection
 /// may sit in retransmission backoff long after the path is back), retried
 /// with the agent's backoff, capped so recovery is seen within seconds.
@@ -55,7 +56,7 @@ pub(crate) async fn keep_tunnel(
             Err(problem) => {
                 // Not ready from this moment; reconnecting may take a while.
                 if was_up {
-                    tracing::warn!(%problem, server = %settings.server_host, port = settings.node_frontend_port, "node tunnel stopped answering; captured connections are reset until it is back");
+                    tracing::warn!(%problem, server = %settings.server_host, port = settings.node_frontend_port, "node tunnel stopped answering; new captured connections are reset until it is back");
                 }
                 readiness.tunnel_failed(problem.clone(), &metrics);
                 match connect_tunnel(&settings).await {
