@@ -5,11 +5,11 @@ use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
 use konnectivity_mux::outbound::Outbound;
-use konnectivity_proto::{ConnectId, DATA_CHUNK, DialTarget, TargetError};
+use konnectivity_proto::{ConnectId, DialTarget, TargetError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -118,17 +118,19 @@ impl StreamHandle {
 pub(crate) async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream: StreamHandle) {
     let connect_id = stream.connect_id;
     let error = loop {
-        // Wait for bytes before taking a buffer, and take a fresh one each
-        // time: an idle connection then holds no memory at all.
+        // Wait for bytes before taking a buffer, and take one the size of
+        // what was read: an idle connection then holds no memory at all,
+        // and a small packet held for replay pins no large buffer.
         if let Err(error) = read.readable().await {
             break Some(error.to_string());
         }
-        let mut buf = BytesMut::with_capacity(DATA_CHUNK);
-        match read.try_read_buf(&mut buf) {
-            Ok(0) => break None,
-            Ok(read) => {
-                stream.bytes.received_from_target(read);
-                let data = buf.freeze();
+        match konnectivity_mux::chunk::read_ready(
+            |first| read.try_read(first),
+            |more| read.try_read_buf(more),
+        ) {
+            Ok(None) => break None,
+            Ok(Some(data)) => {
+                stream.bytes.received_from_target(data.len());
                 if window.reserve(data.len()).await.is_err() {
                     return;
                 }
@@ -185,6 +187,44 @@ mod tests {
             go_dial_error("x.invalid:80", &unknown),
             "dial tcp: lookup x.invalid: no such host"
         );
+    }
+
+    /// A packet may be held long after it was read (queued, or kept for
+    /// replay until acknowledged): a small read must not pin a buffer of
+    /// DATA_CHUNK (256 KiB).
+    #[tokio::test]
+    async fn a_small_read_travels_in_a_buffer_of_its_own_size() {
+        use futures_util::StreamExt;
+        use konnectivity_mux::Extensions;
+        use konnectivity_proto::Frame;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut target = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (endpoint, _) = listener.accept().await.unwrap();
+        let (read, _write) = endpoint.into_split();
+        let outbound = konnectivity_mux::outbound::outbound(16);
+        let mut packets = outbound.attach();
+        let (closed, _closed_rx) = mpsc::channel(1);
+        let stream = StreamHandle {
+            connect_id: ConnectId::FIRST,
+            outbound: outbound.clone(),
+            closed,
+            bytes: Arc::default(),
+        };
+        let pump = tokio::spawn(pump_from_endpoint(
+            read,
+            SendWindow::new(Extensions::FlowControl),
+            stream,
+        ));
+        target.write_all(b"0123456789").await.unwrap();
+        let packet = packets.next().await.unwrap();
+        let Ok(Frame::Data { data, .. }) = Frame::try_from(packet) else {
+            panic!("expected DATA");
+        };
+        assert_eq!(data, &b"0123456789"[..]);
+        let capacity = bytes::BytesMut::from(data).capacity();
+        assert!(capacity < 4096, "10 bytes pin a buffer of {capacity}");
+        pump.abort();
     }
 
     #[tokio::test]

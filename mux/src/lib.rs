@@ -13,6 +13,7 @@
 //! The wire types themselves (packets, frames, ids) are in
 //! `konnectivity-proto`, which knows nothing of connections.
 
+pub mod chunk;
 mod connection;
 mod extensions;
 pub mod flow;

@@ -17,14 +17,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::BytesMut;
 use konnectivity_client::{DialError, Tunnel, dial_response};
 use konnectivity_mux::Extensions;
 use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
 use konnectivity_mux::outbound::{Outbound, outbound};
 use konnectivity_mux::replay::{Arrival, arrival};
 use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
-use konnectivity_proto::{ConnectId, DATA_CHUNK, DialId, Frame, Packet};
+use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -174,12 +173,14 @@ async fn up(
         if read.readable().await.is_err() {
             break;
         }
-        // A fresh buffer for each read: an idle connection holds none.
-        let mut buf = BytesMut::with_capacity(DATA_CHUNK);
-        match read.try_read_buf(&mut buf) {
-            Ok(0) => break,
-            Ok(_) => {
-                let data = buf.freeze();
+        // A buffer the size of each read: an idle connection holds none,
+        // and a small packet kept for replay pins no large buffer.
+        match konnectivity_mux::chunk::read_ready(
+            |first| read.try_read(first),
+            |more| read.try_read_buf(more),
+        ) {
+            Ok(None) => break,
+            Ok(Some(data)) => {
                 if window.reserve(data.len()).await.is_err() {
                     return std::future::pending().await;
                 }

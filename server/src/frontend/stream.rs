@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
-use konnectivity_proto::DATA_CHUNK;
+use konnectivity_mux::chunk::{SMALL_READ, packet};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::{TcpStream, UnixStream, tcp, unix};
 use tokio_rustls::server::TlsStream;
@@ -32,10 +32,6 @@ pub(crate) trait ChunkReader: Send + Unpin {
     fn read_chunk(&mut self) -> impl Future<Output = io::Result<Option<Bytes>>> + Send;
 }
 
-/// The largest read whose bytes are copied into a packet of their own size;
-/// a read that fills it goes on into a buffer of up to DATA_CHUNK.
-const SMALL_READ: usize = 2048;
-
 /// A socket half that reads what is ready now, without waiting.
 trait TryRead {
     fn try_read(&self, buf: &mut [u8]) -> io::Result<usize>;
@@ -45,26 +41,7 @@ trait TryRead {
 /// Reads what is ready now, through a small buffer on the stack of this
 /// call rather than in the waiting task.
 fn read_ready(half: &impl TryRead) -> io::Result<Option<Bytes>> {
-    let mut first = [0u8; SMALL_READ];
-    let n = half.try_read(&mut first)?;
-    Ok(packet(&first[..n], |chunk| half.try_read_buf(chunk).unwrap_or(0)))
-}
-
-/// The packet for a first read `first` (`None`: end of stream). A small read
-/// is a packet of exactly its size; one that filled [`SMALL_READ`] goes on
-/// with `read_more` (what is ready now; 0 when nothing is) into a buffer of
-/// up to DATA_CHUNK, so bulk transfers still travel in large packets.
-fn packet(first: &[u8], mut read_more: impl FnMut(&mut BytesMut) -> usize) -> Option<Bytes> {
-    if first.is_empty() {
-        return None;
-    }
-    if first.len() < SMALL_READ {
-        return Some(Bytes::copy_from_slice(first));
-    }
-    let mut chunk = BytesMut::with_capacity(DATA_CHUNK);
-    chunk.extend_from_slice(first);
-    while chunk.len() < DATA_CHUNK && read_more(&mut chunk) > 0 {}
-    Some(chunk.freeze())
+    konnectivity_mux::chunk::read_ready(|first| half.try_read(first), |chunk| half.try_read_buf(chunk))
 }
 
 /// An idle tunnel on a socket whose readiness tokio tracks waits for
@@ -159,6 +136,7 @@ impl FrontendStream for TlsStream<TcpStream> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use konnectivity_proto::DATA_CHUNK;
     use tokio::io::AsyncWriteExt;
 
     #[tokio::test]
