@@ -22,6 +22,7 @@ use konnectivity_mux::Extensions;
 use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
 use konnectivity_mux::outbound::{Outbound, outbound};
 use konnectivity_mux::replay::{Arrival, arrival};
+use konnectivity_plumbing::backoff::Backoff;
 use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
@@ -36,8 +37,11 @@ use tonic::metadata::AsciiMetadataValue;
 const QUEUE: usize = 64;
 /// How long one attempt to resume may take before the next.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
-/// The pause between attempts that failed for want of a connection.
+/// The first pause after an attempt that failed for want of a working
+/// connection, growing by half per failure up to [`RETRY_CAP`]. A new node
+/// tunnel ends the pause at once: it is what the attempts wait for.
 const RETRY_AFTER: Duration = Duration::from_millis(100);
+const RETRY_CAP: Duration = Duration::from_secs(2);
 
 /// What every resumable connection shares.
 #[derive(Clone)]
@@ -293,6 +297,7 @@ impl Down {
         self.queue.detach();
         let lost_at = Instant::now();
         let deadline = lost_at + self.context.timeout;
+        let mut backoff = Backoff::new(RETRY_AFTER, RETRY_CAP);
         tracing::debug!(connect_id = self.connect_id.get(), %why, "captured connection's stream lost; resuming it");
         loop {
             if Instant::now() >= deadline {
@@ -304,7 +309,7 @@ impl Down {
             }
             let tunnel = self.context.tunnels.borrow_and_update().clone();
             let Some(tunnel) = tunnel else {
-                tokio::time::sleep(RETRY_AFTER).await;
+                wait_for_tunnel(&mut self.context.tunnels, None, deadline).await;
                 continue;
             };
             match tokio::time::timeout(ATTEMPT_TIMEOUT, self.attach(&tunnel, &token)).await {
@@ -324,11 +329,13 @@ impl Down {
                 }
                 Ok(Err(Attempt::Failed(error))) => {
                     tracing::debug!(connect_id = self.connect_id.get(), %error, "resume attempt failed");
-                    tokio::time::sleep(RETRY_AFTER).await
+                    let pause = spread(backoff.next_delay(), self.connect_id);
+                    wait_for_tunnel(&mut self.context.tunnels, Some(pause), deadline).await;
                 }
                 Err(_) => {
                     tracing::debug!(connect_id = self.connect_id.get(), "resume attempt timed out");
-                    tokio::time::sleep(RETRY_AFTER).await
+                    let pause = spread(backoff.next_delay(), self.connect_id);
+                    wait_for_tunnel(&mut self.context.tunnels, Some(pause), deadline).await;
                 }
             }
         }
@@ -381,10 +388,90 @@ impl Down {
     }
 }
 
+/// Waits until the node tunnel is replaced, `pause` has passed (`None`:
+/// no limit) or `deadline` comes, whichever is first. A lost connection
+/// waits here rather than polling: every captured connection of a node
+/// loses its stream at once, and their attempts must not hammer a server
+/// that is restarting.
+async fn wait_for_tunnel(
+    tunnels: &mut watch::Receiver<Option<Tunnel>>,
+    pause: Option<Duration>,
+    deadline: Instant,
+) {
+    let until = match pause {
+        Some(pause) => deadline.min(Instant::now() + pause),
+        None => deadline,
+    };
+    tokio::select! {
+        _ = tokio::time::sleep_until(until.into()) => {}
+        // A closed watch (the agent is stopping) waits out the pause.
+        Ok(()) = tunnels.changed() => {}
+    }
+}
+
+/// `delay` spread over [0.5, 1.5) of itself by the connection's id, so the
+/// connections of one node, lost together, do not retry in step.
+fn spread(delay: Duration, connect_id: ConnectId) -> Duration {
+    // The fractional part of id × the golden ratio: consecutive ids land
+    // far apart in [0, 1).
+    let fraction = (connect_id.get() as f64 * 0.618_033_988_749_895).fract();
+    delay.mul_f64(0.5 + fraction)
+}
+
 /// How one attempt to resume went.
 enum Attempt {
     /// The server will not resume it (it no longer has the connection, say).
     Refused(String),
     /// No answer (no connection yet): try again.
     Failed(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_of_one_nodes_connections_are_spread_not_in_step() {
+        let delay = Duration::from_millis(1000);
+        let pauses: Vec<Duration> = (1..=20)
+            .map(|id| spread(delay, ConnectId::new(id).unwrap()))
+            .collect();
+        assert!(
+            pauses.iter().all(|p| *p >= delay / 2 && *p < delay * 3 / 2),
+            "{pauses:?}"
+        );
+        // Every pair at least a few milliseconds apart.
+        let mut sorted = pauses.clone();
+        sorted.sort();
+        assert!(
+            sorted.windows(2).all(|w| w[1] - w[0] >= Duration::from_millis(5)),
+            "{sorted:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_lost_connection_waits_for_a_new_tunnel_not_a_poll() {
+        let (sender, mut tunnels) = watch::channel(None);
+        tunnels.mark_unchanged();
+        let far = Instant::now() + Duration::from_secs(60);
+        // Nothing changes: the pause is what ends the wait.
+        let started = Instant::now();
+        wait_for_tunnel(&mut tunnels, Some(Duration::from_millis(50)), far).await;
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        // No pause: only a new tunnel ends the wait (here, a minute away).
+        let waiting = tokio::spawn(async move {
+            let started = Instant::now();
+            wait_for_tunnel(&mut tunnels, None, far).await;
+            started.elapsed()
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!waiting.is_finished());
+        sender.send(None).unwrap();
+        let waited = waiting.await.unwrap();
+        assert!(waited < Duration::from_secs(10), "{waited:?}");
+        // The deadline ends it too.
+        let (_sender, mut tunnels) = watch::channel::<Option<Tunnel>>(None);
+        tunnels.mark_unchanged();
+        wait_for_tunnel(&mut tunnels, None, Instant::now() + Duration::from_millis(20)).await;
+    }
 }
