@@ -10,7 +10,7 @@ use crate::support::TempDir;
 use crate::support::balancer::RoundRobin;
 use crate::support::certs::Pki;
 use crate::support::connect::via_uds;
-use crate::support::procs::{Agent, Server};
+use crate::support::procs::{Agent, Server, agent_args};
 use crate::support::scrape::metric;
 use crate::support::{targets, wait_until};
 
@@ -341,21 +341,19 @@ async fn dial_every_address_holds_a_stream_to_each_address_of_a_name() {
         health.push(health_port);
     }
     let agent_health = crate::support::free_port();
-    let agent_args = vec![
-        "--proxy-server-host=localhost".to_owned(),
-        format!("--proxy-server-port={agent_port}"),
+    let mut args = agent_args(
+        ("localhost", agent_port),
+        &pki,
+        &pki.agent,
+        "agent-1",
+        agent_health,
+    );
+    args.extend([
         "--dial-every-address".to_owned(),
-        format!("--ca-cert={}", pki.ca.display()),
-        format!("--agent-cert={}", pki.agent.cert.display()),
-        format!("--agent-key={}", pki.agent.key.display()),
-        "--agent-id=agent-1".to_owned(),
-        format!("--health-server-port={agent_health}"),
         "--health-server-host=127.0.0.1".to_owned(),
         format!("--admin-server-port={}", crate::support::free_port()),
-        "--sync-interval=100ms".to_owned(),
-        "--sync-interval-cap=500ms".to_owned(),
-    ];
-    let agent = netns.spawn("proxy-agent", &agent_args, dir.path());
+    ]);
+    let agent = netns.spawn("proxy-agent", &args, dir.path());
     wait_until(Duration::from_secs(20), "a stream to each address", || async {
         health
             .iter()

@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::certs::Pki;
 use super::image::Binaries;
 use super::netns::{Netns, link};
-use super::procs::Proc;
+use super::procs::{Proc, agent_args};
 use super::{Pattern, TempDir, wait_until};
 use sha2::{Digest, Sha256};
 
@@ -92,23 +92,16 @@ fn write_blob(dir: &std::path::Path) -> String {
 }
 
 pub fn node_agent_args(pki: &Pki, extra_captures: &[String]) -> Vec<String> {
-    let mut args = vec![
-        format!("--proxy-server-host={SERVER_IP}"),
-        format!("--proxy-server-port={AGENT_PORT}"),
-        format!("--ca-cert={}", pki.ca.display()),
-        format!("--agent-cert={}", pki.agent.cert.display()),
-        format!("--agent-key={}", pki.agent.key.display()),
-        "--agent-id=node-1".to_owned(),
-        format!("--health-server-port={NODE_AGENT_HEALTH}"),
+    let server = (SERVER_IP, AGENT_PORT);
+    let mut args = agent_args(server, pki, &pki.agent, "node-1", NODE_AGENT_HEALTH);
+    args.extend([
         format!("--admin-server-port={NODE_AGENT_ADMIN}"),
-        "--sync-interval=100ms".to_owned(),
-        "--sync-interval-cap=500ms".to_owned(),
         format!("--capture={VIP}:443={KAS}"),
         format!("--capture=[{VIP6}]:443={KAS}"),
         format!("--node-frontend-port={NODE_FRONTEND_PORT}"),
         format!("--node-client-cert={}", pki.node_client.cert.display()),
         format!("--node-client-key={}", pki.node_client.key.display()),
-    ];
+    ]);
     args.extend(extra_captures.iter().cloned());
     args
 }
@@ -178,17 +171,13 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
     let cp_agent = control_plane.spawn_from(
         &binaries,
         "proxy-agent",
-        &[
-            format!("--proxy-server-host={SERVER_IP}"),
-            format!("--proxy-server-port={AGENT_PORT}"),
-            format!("--ca-cert={}", pki.ca.display()),
-            format!("--agent-cert={}", pki.control_plane_agent.cert.display()),
-            format!("--agent-key={}", pki.control_plane_agent.key.display()),
-            "--agent-id=cp-1".to_owned(),
-            format!("--health-server-port={CP_AGENT_HEALTH}"),
-            "--sync-interval=100ms".to_owned(),
-            "--sync-interval-cap=500ms".to_owned(),
-        ],
+        &agent_args(
+            (SERVER_IP, AGENT_PORT),
+            &pki,
+            &pki.control_plane_agent,
+            "cp-1",
+            CP_AGENT_HEALTH,
+        ),
         dir.path(),
     );
     let cp = &control_plane;

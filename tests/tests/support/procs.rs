@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::certs::Pki;
+use super::certs::{CertFiles, Pki};
 use super::image::Binaries;
 use super::scrape::http_get;
 use super::{free_port, wait_until};
@@ -306,6 +306,30 @@ pub struct Agent {
     pub health_port: u16,
 }
 
+/// The flags every test's proxy-agent starts with: dialing `server`
+/// (`host:port`) with mTLS as `identity` under the test CA, named `id`, its
+/// health on `health_port`, reconnecting quickly.
+pub fn agent_args(
+    server: (&str, u16),
+    pki: &Pki,
+    identity: &CertFiles,
+    id: &str,
+    health_port: u16,
+) -> Vec<String> {
+    let (host, port) = server;
+    vec![
+        format!("--proxy-server-host={host}"),
+        format!("--proxy-server-port={port}"),
+        format!("--ca-cert={}", pki.ca.display()),
+        format!("--agent-cert={}", identity.cert.display()),
+        format!("--agent-key={}", identity.key.display()),
+        format!("--agent-id={id}"),
+        format!("--health-server-port={health_port}"),
+        "--sync-interval=100ms".to_owned(),
+        "--sync-interval-cap=500ms".to_owned(),
+    ]
+}
+
 impl Agent {
     /// Starts proxy-agent against a server's agent port, with mTLS.
     pub fn start(dir: &Path, pki: &Pki, server_agent_port: u16, id: &str, extra: &[String]) -> Agent {
@@ -322,20 +346,10 @@ impl Agent {
         extra: &[String],
     ) -> Agent {
         let health_port = free_port();
-        let mut args = vec![
-            "--proxy-server-host=127.0.0.1".to_owned(),
-            format!("--proxy-server-port={server_agent_port}"),
-            format!("--ca-cert={}", pki.ca.display()),
-            format!("--agent-cert={}", pki.agent.cert.display()),
-            format!("--agent-key={}", pki.agent.key.display()),
-            format!("--agent-id={id}"),
-            format!("--health-server-port={health_port}"),
-            "--health-server-host=127.0.0.1".to_owned(),
-            format!("--admin-server-port={}", free_port()),
-            // Reconnect quickly in tests.
-            "--sync-interval=100ms".to_owned(),
-            "--sync-interval-cap=500ms".to_owned(),
-        ];
+        let server = ("127.0.0.1", server_agent_port);
+        let mut args = agent_args(server, pki, &pki.agent, id, health_port);
+        args.push("--health-server-host=127.0.0.1".to_owned());
+        args.push(format!("--admin-server-port={}", free_port()));
         args.extend(extra.iter().cloned());
         Agent {
             proc: Proc::spawn_from(binaries, "proxy-agent", &args, dir),

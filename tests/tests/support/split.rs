@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::support::certs::Pki;
 use crate::support::cluster::{memory_back_to, open_fds};
 use crate::support::netns::{Netns, link};
-use crate::support::procs::Proc;
+use crate::support::procs::{Proc, agent_args};
 use crate::support::targets;
 use crate::support::{TempDir, wait_until, wait_until_or_last};
 
@@ -66,19 +66,15 @@ impl Split {
         ];
         server_args.extend(server_extra.iter().cloned());
         let server = control_plane.spawn("proxy-server", &server_args, dir.path());
-        let mut agent_args = vec![
-            format!("--proxy-server-host={SERVER_IP}"),
-            format!("--proxy-server-port={AGENT_PORT}"),
-            format!("--ca-cert={}", pki.ca.display()),
-            format!("--agent-cert={}", pki.agent.cert.display()),
-            format!("--agent-key={}", pki.agent.key.display()),
-            "--agent-id=node-agent".to_owned(),
-            format!("--health-server-port={AGENT_HEALTH}"),
-            "--sync-interval=100ms".to_owned(),
-            "--sync-interval-cap=500ms".to_owned(),
-        ];
-        agent_args.extend(agent_extra.iter().cloned());
-        let agent = node.spawn("proxy-agent", &agent_args, dir.path());
+        let mut args = agent_args(
+            (SERVER_IP, AGENT_PORT),
+            &pki,
+            &pki.agent,
+            "node-agent",
+            AGENT_HEALTH,
+        );
+        args.extend(agent_extra.iter().cloned());
+        let agent = node.spawn("proxy-agent", &args, dir.path());
         let cp = &control_plane;
         wait_until(Duration::from_secs(15), "the agent to connect", || async {
             cp.metric(SERVER_HEALTH, READY) == Some(1.0)
