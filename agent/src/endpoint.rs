@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
 use konnectivity_mux::outbound::Outbound;
+use konnectivity_mux::{Port, Waited};
 use konnectivity_proto::{ConnectId, DialTarget, TargetError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -150,7 +150,23 @@ pub(crate) async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, 
 /// credit as the bytes leave. Ends when the session drops the sender
 /// (CLOSE_REQ, or the stream ended) after writing what was queued.
 pub(crate) async fn pump_to_endpoint(mut write: OwnedWriteHalf, mut port: Port<Bytes>, stream: StreamHandle) {
-    while let Some(chunk) = port.recv().await {
+    loop {
+        let chunk = match port.recv_or_quiet().await {
+            Waited::Arrived(Some(chunk)) => chunk,
+            Waited::Arrived(None) => break,
+            // With resume: the server may drop what it kept for replay.
+            Waited::Quiet(credit) => {
+                if stream
+                    .outbound
+                    .send(credit.frame(stream.connect_id).into())
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
+            }
+        };
         if let Err(error) = write.write_all(&chunk).await {
             stream.report_closed(Some(error.to_string())).await;
             return;

@@ -17,7 +17,7 @@ use futures_util::FutureExt;
 use konnectivity_proto::{ConnectId, Frame, ResumeEntry};
 
 use crate::extensions::Extensions;
-use crate::flow::{self, Credit, ReceiveCredit, ReceiveGate, Refused, SendWindow};
+use crate::flow::{self, Credit, ReceiveCredit, ReceiveGate, Refused, SendWindow, Waited};
 use crate::mailbox::{self, mailbox};
 use crate::replay::{Arrival, OffsetError, arrival};
 
@@ -76,9 +76,18 @@ pub struct Port<M> {
 }
 
 impl<M> Port<M> {
-    /// The next message, or `None` once the route is gone.
+    /// The next message, or `None` once the route is gone. It never
+    /// acknowledges a quiet connection: a consumer of DATA uses
+    /// [`Port::recv_or_quiet`].
     pub async fn recv(&mut self) -> Option<M> {
         self.from_stream.recv().await
+    }
+
+    /// [`Port::recv`], but with resume a connection quiet for
+    /// [`flow::QUIET_ACK_AFTER`] gets the credit to acknowledge what it
+    /// wrote instead ([`ReceiveCredit::or_quiet`]).
+    pub async fn recv_or_quiet(&mut self) -> Waited<Option<M>> {
+        self.credit.or_quiet(self.from_stream.recv()).await
     }
 
     /// `len` bytes of DATA from this port have left our buffers (written to
@@ -437,6 +446,7 @@ mod tests {
     use crate::flow::{WINDOW, WindowClosed, cost};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
 
     fn id(n: i64) -> ConnectId {
         ConnectId::new(n).unwrap()
@@ -459,6 +469,50 @@ mod tests {
         }
         assert!(returned > 0, "credit must come back");
         assert!(returned <= 64 * u64::from(cost(65536)));
+    }
+
+    /// With resume the peer keeps what it sent until we acknowledge it: a
+    /// connection that goes quiet must acknowledge all it wrote, or the
+    /// peer keeps up to a quarter of the window for as long as it is quiet.
+    #[tokio::test(start_paused = true)]
+    async fn with_resume_a_quiet_port_acknowledges_everything_written() {
+        let mut table: Connections<Bytes, ()> = Connections::default();
+        let (route, mut port, _) = connection(Extensions::Resume);
+        table.insert(id(1), route, ());
+        for (offset, len) in [(0, 10), (10, 20)] {
+            let delivery = table
+                .deliver(id(1), Bytes::from(vec![7; len]), Some(offset), || ())
+                .await;
+            assert!(matches!(delivery, Delivery::Delivered));
+        }
+        for _ in 0..2 {
+            let Waited::Arrived(Some(data)) = port.recv_or_quiet().await else {
+                panic!("DATA was queued");
+            };
+            // No acknowledgement per packet.
+            assert_eq!(port.written(data.len()), None);
+        }
+        // Quiet for a second: everything written is acknowledged.
+        let started = tokio::time::Instant::now();
+        let Waited::Quiet(credit) = port.recv_or_quiet().await else {
+            panic!("nothing more was sent");
+        };
+        assert_eq!(started.elapsed(), flow::QUIET_ACK_AFTER);
+        assert_eq!(credit.written, Some(30));
+        assert_eq!(credit.bytes, cost(10) + cost(20));
+        // Then it waits without a limit: nothing is owed.
+        let waiting = tokio::time::timeout(Duration::from_secs(3600), port.recv_or_quiet()).await;
+        assert!(waiting.is_err(), "nothing more to acknowledge");
+        // Without resume nothing needs acknowledging early.
+        let (route, mut port, _) = connection(Extensions::FlowControl);
+        table.insert(id(2), route, ());
+        table.deliver(id(2), Bytes::from(vec![7; 10]), None, || ()).await;
+        let Waited::Arrived(Some(data)) = port.recv_or_quiet().await else {
+            panic!()
+        };
+        assert_eq!(port.written(data.len()), None);
+        let waiting = tokio::time::timeout(Duration::from_secs(3600), port.recv_or_quiet()).await;
+        assert!(waiting.is_err(), "flow control alone never acknowledges early");
     }
 
     #[tokio::test]

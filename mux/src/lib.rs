@@ -23,3 +23,4 @@ pub mod replay;
 
 pub use connection::{Connections, Delivery, Entry, Port, ResumePlan, Route, connection};
 pub use extensions::Extensions;
+pub use flow::Waited;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use konnectivity_mux::Port;
 use konnectivity_mux::flow::SendWindow;
+use konnectivity_mux::{Port, Waited};
 use konnectivity_proto::{ConnectId, DialId, DialTarget};
 
 use crate::backend::registry::Registry;
@@ -415,7 +415,17 @@ impl TunnelReceiver {
         {
             return Err(RemoteEnd::AgentGone);
         }
-        let event = self.port.recv().await;
+        let event = loop {
+            match self.port.recv_or_quiet().await {
+                Waited::Arrived(event) => break event,
+                // With resume: the agent may drop what it kept for replay.
+                Waited::Quiet(credit) => {
+                    if self.backend.send(credit.frame(self.connect_id)).await.is_err() {
+                        return Err(RemoteEnd::AgentGone);
+                    }
+                }
+            }
+        };
         if let Some(Event::Data(data)) = &event {
             self.unconsumed = data.len();
             self.bytes.received_from_target(data.len());

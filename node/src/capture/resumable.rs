@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use konnectivity_client::{DialError, Tunnel, dial_response};
-use konnectivity_mux::Extensions;
 use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
 use konnectivity_mux::outbound::{Outbound, outbound};
 use konnectivity_mux::replay::{Arrival, arrival};
+use konnectivity_mux::{Extensions, Waited};
 use konnectivity_plumbing::backoff::Backoff;
 use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
@@ -223,7 +223,14 @@ impl Down {
         self.context.tunnels.mark_unchanged();
         loop {
             let next = tokio::select! {
-                next = self.inbound.message() => next,
+                waited = self.credit.or_quiet(self.inbound.message()) => match waited {
+                    Waited::Arrived(next) => next,
+                    // The server may drop what it kept for replay.
+                    Waited::Quiet(credit) => {
+                        let _ = self.queue.send(credit.frame(self.connect_id).into()).await;
+                        continue;
+                    }
+                },
                 // The tunnel was replaced (its probes went unanswered): this
                 // stream's connection is as good as gone.
                 Ok(()) = self.context.tunnels.changed(), if self.token.is_some() => {

@@ -11,6 +11,7 @@ use std::time::Instant;
 use crate::serving::peer_certificate_names;
 use futures_util::future::{BoxFuture, Either, Ready, ready};
 use futures_util::{Stream, StreamExt};
+use konnectivity_mux::Waited;
 use konnectivity_mux::outbound::{Outbound, Queueing, outbound};
 use konnectivity_mux::replay::Arrival;
 use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
@@ -450,7 +451,14 @@ impl ClientStream {
                 let frame = match &mut resume {
                     None => inbound.next_frame().await,
                     Some(resume) => tokio::select! {
-                        frame = inbound.next_frame() => frame,
+                        waited = resume.credit.or_quiet(inbound.next_frame()) => match waited {
+                            Waited::Arrived(frame) => frame,
+                            // The node may drop what it kept for replay.
+                            Waited::Quiet(credit) => {
+                                let _ = outbound.send(credit.frame(connect_id)).await;
+                                continue;
+                            }
+                        },
                         // The client resumed on a new stream before this
                         // one failed here (a silent link, say).
                         Some(Takeover::Resume(attachment)) = resume.ticket.attachments.recv() => {
