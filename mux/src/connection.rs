@@ -494,8 +494,9 @@ mod tests {
         }
         // Quiet for a second: everything written is acknowledged.
         let started = tokio::time::Instant::now();
-        let Waited::Quiet(credit) = port.recv_or_quiet().await else {
-            panic!("nothing more was sent");
+        let quiet = tokio::time::timeout(Duration::from_secs(10), port.recv_or_quiet()).await;
+        let Ok(Waited::Quiet(credit)) = quiet else {
+            panic!("a quiet connection must acknowledge what it wrote: {quiet:?}");
         };
         assert_eq!(started.elapsed(), flow::QUIET_ACK_AFTER);
         assert_eq!(credit.written, Some(30));
