@@ -11,10 +11,14 @@
 //! connections when a stream resumes an earlier one ([`Connections::resume`]).
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
 use konnectivity_proto::{ConnectId, Frame, ResumeEntry};
+use tokio::time::Sleep;
 
 use crate::extensions::Extensions;
 use crate::flow::{self, Credit, ReceiveCredit, ReceiveGate, Refused, SendWindow, Waited};
@@ -86,8 +90,11 @@ impl<M> Port<M> {
     /// [`Port::recv`], but with resume a connection quiet for
     /// [`flow::QUIET_ACK_AFTER`] gets the credit to acknowledge what it
     /// wrote instead ([`ReceiveCredit::or_quiet`]).
-    pub async fn recv_or_quiet(&mut self) -> Waited<Option<M>> {
-        self.credit.or_quiet(self.from_stream.recv()).await
+    pub fn recv_or_quiet(&mut self) -> RecvOrQuiet<'_, M> {
+        RecvOrQuiet {
+            port: self,
+            quiet: None,
+        }
     }
 
     /// `len` bytes of DATA from this port have left our buffers (written to
@@ -95,6 +102,34 @@ impl<M> Port<M> {
     /// a WINDOW_UPDATE, once enough has gathered.
     pub fn written(&mut self, len: usize) -> Option<Credit> {
         self.credit.consumed(len)
+    }
+}
+
+/// [`Port::recv_or_quiet`]'s future: a named one of two words, as it sits in
+/// every idle tunnel's task (an `async fn` held the wait twice over).
+#[derive(Debug)]
+pub struct RecvOrQuiet<'a, M> {
+    port: &'a mut Port<M>,
+    /// Armed (boxed) only while the connection owes an acknowledgement.
+    quiet: Option<Pin<Box<Sleep>>>,
+}
+
+impl<M> Future for RecvOrQuiet<'_, M> {
+    type Output = Waited<Option<M>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        if let Poll::Ready(message) = this.port.from_stream.poll_recv(cx) {
+            return Poll::Ready(Waited::Arrived(message));
+        }
+        if !this.port.credit.owes_acknowledgement() {
+            return Poll::Pending;
+        }
+        let quiet = this
+            .quiet
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(flow::QUIET_ACK_AFTER)));
+        std::task::ready!(quiet.as_mut().poll(cx));
+        Poll::Ready(Waited::Quiet(this.port.credit.acknowledge_all()))
     }
 }
 

@@ -350,7 +350,7 @@ impl ReceiveCredit {
     /// and then hands back their credit (the caller sends it and waits
     /// again).
     pub async fn or_quiet<F: Future>(&mut self, next: F) -> Waited<F::Output> {
-        if !self.extensions.resume() || self.unreported == 0 {
+        if !self.owes_acknowledgement() {
             return Waited::Arrived(next.await);
         }
         // Boxed: only a connection that owes an acknowledgement holds it.
@@ -358,10 +358,20 @@ impl ReceiveCredit {
         tokio::select! {
             biased;
             arrived = next => Waited::Arrived(arrived),
-            () = quiet => Waited::Quiet(Credit {
-                bytes: std::mem::take(&mut self.unreported),
-                written: Some(self.shared.written.load(Ordering::Acquire)),
-            }),
+            () = quiet => Waited::Quiet(self.acknowledge_all()),
+        }
+    }
+
+    /// With resume: whether bytes were written and not yet acknowledged.
+    pub(crate) fn owes_acknowledgement(&self) -> bool {
+        self.extensions.resume() && self.unreported > 0
+    }
+
+    /// The credit for everything written so far.
+    pub(crate) fn acknowledge_all(&mut self) -> Credit {
+        Credit {
+            bytes: std::mem::take(&mut self.unreported),
+            written: Some(self.shared.written.load(Ordering::Acquire)),
         }
     }
 }

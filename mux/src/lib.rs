@@ -21,6 +21,6 @@ mod mailbox;
 pub mod outbound;
 pub mod replay;
 
-pub use connection::{Connections, Delivery, Entry, Port, ResumePlan, Route, connection};
+pub use connection::{Connections, Delivery, Entry, Port, RecvOrQuiet, ResumePlan, Route, connection};
 pub use extensions::Extensions;
 pub use flow::Waited;

@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 /// A mailbox's two ends.
 pub(crate) fn mailbox<M>() -> (Sender<M>, Receiver<M>) {
@@ -86,21 +86,23 @@ impl<M> Receiver<M> {
     /// The next message; `None` once the sender is gone and every message
     /// it sent was received.
     pub(crate) async fn recv(&mut self) -> Option<M> {
-        poll_fn(|cx| {
-            let mut queue = lock(&self.shared);
-            if let Some(message) = queue.messages.pop_front() {
-                return Poll::Ready(Some(message));
-            }
-            if queue.sender_gone {
-                return Poll::Ready(None);
-            }
-            match &mut queue.waiting {
-                Some(waker) => waker.clone_from(cx.waker()),
-                none => *none = Some(cx.waker().clone()),
-            }
-            Poll::Pending
-        })
-        .await
+        poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// [`Receiver::recv`], polled by hand.
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<M>> {
+        let mut queue = lock(&self.shared);
+        if let Some(message) = queue.messages.pop_front() {
+            return Poll::Ready(Some(message));
+        }
+        if queue.sender_gone {
+            return Poll::Ready(None);
+        }
+        match &mut queue.waiting {
+            Some(waker) => waker.clone_from(cx.waker()),
+            none => *none = Some(cx.waker().clone()),
+        }
+        Poll::Pending
     }
 }
 
