@@ -223,7 +223,7 @@ const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUME
 
 /// Percent-encodes a path segment or query value (a label selector holds
 /// `=` and `,`).
-fn query_escape(text: &str) -> String {
+pub(crate) fn query_escape(text: &str) -> String {
     percent_encoding::utf8_percent_encode(text, UNRESERVED).to_string()
 }
 

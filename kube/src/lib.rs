@@ -1,11 +1,12 @@
 //! Just enough of a kube-apiserver client for what the proxy needs of it
-//! (TokenReviews, Leases): HTTPS with the credentials of a kubeconfig or of
+//! (TokenReviews, Leases, Nodes): HTTPS with the credentials of a kubeconfig or of
 //! the pod, JSON in and out, and watches that stream one event per line.
 
 mod client;
 mod config;
 mod error;
 pub mod lease;
+pub mod node;
 mod rate;
 mod selector;
 mod watch;

@@ -22,6 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::backend::registry::Registry;
 use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
 use crate::backend::{Announced, Backend, BackendId, session};
+use crate::identity::ProvenNode;
 use crate::metrics::ServerMetrics;
 use crate::token_auth::TokenAuthenticator;
 
@@ -111,6 +112,7 @@ impl AgentService for AgentServer {
         let mut live_token = None;
         // What the agent proved: bound into a resume token.
         let mut username = None;
+        let mut token_node = None;
         if let Some(token_auth) = &self.token_auth {
             let admitted = if probe {
                 token_auth.authenticate_probe(request.metadata()).await
@@ -118,10 +120,11 @@ impl AgentService for AgentServer {
                 token_auth
                     .authenticate(request.metadata())
                     .await
-                    .map(|(user, live)| {
-                        tracing::debug!(%agent_id, username = %user, "agent authenticated by token");
+                    .map(|(account, live)| {
+                        tracing::debug!(%agent_id, username = %account.username, "agent authenticated by token");
                         live_token = Some(live);
-                        username = Some(user);
+                        username = Some(account.username);
+                        token_node = account.node;
                     })
             };
             if let Err(refused) = admitted {
@@ -135,6 +138,10 @@ impl AgentService for AgentServer {
             .get(flow::HEADER)
             .is_some_and(|value| value == flow::VERSION);
         let certificate_names = peer_certificate_names(&request);
+        // Not yet enforced: which identifiers the node proves comes next
+        // (docs/security.md).
+        let proven_node = ProvenNode::of(token_node.as_ref(), &certificate_names);
+        tracing::debug!(%agent_id, node = proven_node.as_ref().map(|node| node.name().to_string()), "the agent's credential names its node");
         if control_plane {
             // The role comes from our configuration, bound to the verified
             // certificate: an agent cannot promote itself by its id alone.

@@ -9,6 +9,7 @@ mod backend;
 pub mod config;
 mod frontend;
 mod health;
+mod identity;
 mod leases;
 mod metrics;
 mod policy;

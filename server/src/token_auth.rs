@@ -10,10 +10,11 @@
 //! token's audience and lifetime) costs kube-apiserver a handful of reviews,
 //! not one per stream.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use konnectivity_kube::node::NodeName;
 use konnectivity_kube::{KubeClient, KubeError};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -101,9 +102,36 @@ struct ReviewStatus {
 struct ReviewUser {
     #[serde(default)]
     username: String,
+    /// With a bound token (a pod's projected token, Kubernetes 1.30 and
+    /// later, KEP-4193): the node the pod runs on, among others.
+    #[serde(default)]
+    extra: BTreeMap<String, Vec<String>>,
 }
 
-type Verdict = Result<String, Denied>;
+/// The extra keys of a TokenReview naming the node a bound token's pod runs on.
+const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";
+const NODE_UID_EXTRA: &str = "authentication.kubernetes.io/node-uid";
+
+/// An admitted agent, as its token's review showed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct AgentAccount {
+    /// The ServiceAccount's user name.
+    pub username: String,
+    /// The node the token is bound to, when the review says (exactly one
+    /// name); `None` for older clusters and tokens bound to no pod.
+    pub node: Option<BoundNode>,
+}
+
+/// The node a token is bound to: its name and, when the review gives it,
+/// the Node object's uid (which tells it apart from a later Node of the
+/// same name).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct BoundNode {
+    pub name: NodeName,
+    pub uid: Option<String>,
+}
+
+type Verdict = Result<AgentAccount, Denied>;
 
 struct CacheEntry {
     created: Instant,
@@ -153,11 +181,14 @@ impl TokenAuthenticator {
     }
 
     /// Checks an agent stream's token; the error is what the agent sees.
-    /// Returns the ServiceAccount's user name, and the token counted as
-    /// live for as long as the caller holds it.
-    pub(crate) async fn authenticate(&self, metadata: &MetadataMap) -> Result<(String, LiveToken), Status> {
+    /// Returns who the token belongs to, and the token counted as live for
+    /// as long as the caller holds it.
+    pub(crate) async fn authenticate(
+        &self,
+        metadata: &MetadataMap,
+    ) -> Result<(AgentAccount, LiveToken), Status> {
         let token = bearer_token(metadata)?;
-        let username = self.check(token).await?;
+        let account = self.check(token).await?;
         let key = token_key(token);
         *self
             .live
@@ -169,7 +200,7 @@ impl TokenAuthenticator {
             live: self.live.clone(),
             key,
         };
-        Ok((username, live))
+        Ok((account, live))
     }
 
     /// Checks a probe's token. The token of an agent stream open now is
@@ -190,9 +221,9 @@ impl TokenAuthenticator {
         self.check(token).await.map(drop)
     }
 
-    async fn check(&self, token: &str) -> Result<String, Status> {
+    async fn check(&self, token: &str) -> Result<AgentAccount, Status> {
         match self.review(token).await {
-            Ok(Ok(username)) => Ok(username),
+            Ok(Ok(account)) => Ok(account),
             Ok(Err(denied)) => Err(Status::unauthenticated(format!("agent token refused: {denied}"))),
             Err(error) => Err(Status::unavailable(format!(
                 "cannot verify the agent's token: {}",
@@ -307,7 +338,23 @@ fn judge(status: &ReviewStatus, allowed: &AllowedAgents) -> Verdict {
             expected: allowed.service_account.clone(),
         });
     }
-    Ok(username.clone())
+    Ok(AgentAccount {
+        username: username.clone(),
+        node: bound_node(&status.user.extra),
+    })
+}
+
+/// The node a review's extra names: exactly one non-empty name (anything
+/// else names no node), with its uid when there is exactly one.
+fn bound_node(extra: &BTreeMap<String, Vec<String>>) -> Option<BoundNode> {
+    let only = |key: &str| match extra.get(key).map(Vec::as_slice) {
+        Some([value]) if !value.is_empty() => Some(value.clone()),
+        _ => None,
+    };
+    Some(BoundNode {
+        name: NodeName(only(NODE_NAME_EXTRA)?),
+        uid: only(NODE_UID_EXTRA),
+    })
 }
 
 #[cfg(test)]
@@ -327,6 +374,7 @@ mod tests {
             authenticated,
             user: ReviewUser {
                 username: username.to_owned(),
+                extra: BTreeMap::new(),
             },
             error: error.to_owned(),
         }
@@ -337,7 +385,10 @@ mod tests {
         let admitted = "system:serviceaccount:kube-system:konnectivity-agent";
         assert_eq!(
             judge(&status(true, admitted, ""), &allowed()),
-            Ok(admitted.to_owned())
+            Ok(AgentAccount {
+                username: admitted.to_owned(),
+                node: None,
+            })
         );
         assert_eq!(
             judge(&status(false, "", "token expired"), &allowed()),
@@ -376,6 +427,42 @@ mod tests {
             "token belongs to ServiceAccount kube-system/default; agents must be ServiceAccount \
              \"konnectivity-agent\" (--agent-service-account)"
         );
+    }
+
+    /// A TokenReview's answer for a DaemonSet pod's projected token, as
+    /// kube-apiserver 1.31 writes it.
+    #[test]
+    fn a_bound_tokens_node_is_read_from_the_review() {
+        let answer: ReviewAnswer = serde_json::from_str(
+            r#"{"kind":"TokenReview","apiVersion":"authentication.k8s.io/v1","status":{
+                "authenticated":true,
+                "user":{"username":"system:serviceaccount:kube-system:konnectivity-agent",
+                        "uid":"3b7c9a52-5e1f-4c57-a0d4-0b4f0a0b9a11",
+                        "groups":["system:serviceaccounts","system:serviceaccounts:kube-system","system:authenticated"],
+                        "extra":{"authentication.kubernetes.io/credential-id":["JTI=5a1f"],
+                                 "authentication.kubernetes.io/node-name":["node-a"],
+                                 "authentication.kubernetes.io/node-uid":["6b0c6d2e-0d6f-4bb5-9a43-1d1b2c1f6e0a"],
+                                 "authentication.kubernetes.io/pod-name":["konnectivity-agent-x7k2p"],
+                                 "authentication.kubernetes.io/pod-uid":["0e6a2b1c-8f3d-4d7e-9c1a-2b3c4d5e6f70"]}},
+                "audiences":["system:konnectivity-server"]}}"#,
+        )
+        .unwrap();
+        let account = judge(&answer.status, &allowed()).unwrap();
+        assert_eq!(
+            account.node,
+            Some(BoundNode {
+                name: NodeName("node-a".to_owned()),
+                uid: Some("6b0c6d2e-0d6f-4bb5-9a43-1d1b2c1f6e0a".to_owned()),
+            })
+        );
+        // Two names, or an empty one, name no node.
+        let mut extra = BTreeMap::new();
+        extra.insert(NODE_NAME_EXTRA.to_owned(), vec!["a".to_owned(), "b".to_owned()]);
+        assert_eq!(bound_node(&extra), None);
+        extra.insert(NODE_NAME_EXTRA.to_owned(), vec![String::new()]);
+        assert_eq!(bound_node(&extra), None);
+        extra.insert(NODE_NAME_EXTRA.to_owned(), vec!["a".to_owned()]);
+        assert_eq!(bound_node(&extra).map(|node| node.uid), Some(None));
     }
 
     #[test]
