@@ -20,11 +20,11 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
-use http::StatusCode;
 use konnectivity_kube::lease::{Lease, Leases};
-use konnectivity_kube::{KubeClient, KubeEndpoint, KubeError, WatchEvent};
+use konnectivity_kube::reflector::{Call, Observer, Reflected, Reflector};
+use konnectivity_kube::{KubeClient, KubeEndpoint};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -32,17 +32,8 @@ use crate::metrics::{AgentMetrics, LeaseCall};
 
 /// How often the count is made again from what is known.
 const RECOUNT_EVERY: Duration = Duration::from_secs(1);
-/// How long kube-apiserver keeps a watch open before the agent starts the
-/// next one (client-go picks 5 to 10 minutes at random).
-const WATCH_TIMEOUT: Duration = Duration::from_secs(300);
 /// How far past the last word from kube-apiserver Leases are judged.
 const JUDGE_GRACE: Duration = Duration::from_secs(5);
-/// A watch that delivers nothing for this long (kube-apiserver ends it
-/// after WATCH_TIMEOUT) is taken for a dead connection.
-const WATCH_SILENCE: Duration = Duration::from_secs(WATCH_TIMEOUT.as_secs() + 30);
-/// Waits after a failed list or watch: first, and at most.
-const RETRY_FIRST: Duration = Duration::from_millis(500);
-const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// `--count-server-leases` and the flags that go with it.
 #[derive(Clone, Debug)]
@@ -85,7 +76,6 @@ impl LeaseCount {
             heard: SystemTime::UNIX_EPOCH,
             failing: false,
             hold_until: SystemTime::UNIX_EPOCH,
-            version: None,
         };
         LeaseCount {
             count,
@@ -97,20 +87,6 @@ impl LeaseCount {
     pub(crate) fn subscribe(&self) -> watch::Receiver<u32> {
         self.count.clone()
     }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum FollowError {
-    #[error(transparent)]
-    Kube(#[from] KubeError),
-    #[error("kube-apiserver ended the Lease watch with {code} {reason}: {message}")]
-    Watch {
-        code: u16,
-        reason: String,
-        message: String,
-    },
-    #[error("the Lease watch delivered nothing for {0:?}")]
-    Silent(Duration),
 }
 
 struct Counter {
@@ -128,18 +104,64 @@ struct Counter {
     /// Until then the count may grow but not drop: servers are catching up
     /// on renewals after kube-apiserver was away.
     hold_until: SystemTime,
-    /// The resourceVersion the next watch starts from: the last one listed
-    /// or watched. `None` until the first list, and after a 410 Expired.
-    version: Option<String>,
 }
 
 impl Counter {
+    /// Follows the Leases (list, then watch on from the last version seen;
+    /// [`Reflector`]) and recounts every second meanwhile.
     async fn run(mut self) {
-        let mut retry = RETRY_FIRST;
+        let metrics = self.metrics.clone();
+        let observe: Observer = Box::new(move |call, status, took| {
+            let call = match call {
+                Call::List => LeaseCall::List,
+                Call::Watch => LeaseCall::Watch,
+            };
+            if let Some((status, reason)) = status {
+                metrics.lease_call(call, status, reason, took);
+            }
+        });
+        let collection =
+            Leases::new(&self.client, &self.settings.namespace).matching(&self.settings.selector);
+        let mut leases = Reflector::<Lease>::new(self.client.clone(), collection, observe);
+        let mut recount = tokio::time::interval(RECOUNT_EVERY);
         loop {
-            match self.follow().await {
-                // The watch's resourceVersion expired (410 Gone): list again.
-                Ok(()) => retry = RETRY_FIRST,
+            // The call in flight is kept across recounts, not restarted:
+            // a slow answer must still arrive.
+            let learned = {
+                let next = leases.next();
+                tokio::pin!(next);
+                loop {
+                    tokio::select! {
+                        learned = &mut next => break learned,
+                        _ = recount.tick() => {
+                            // While kube-apiserver fails, the last count stands.
+                            if !self.failing {
+                                self.recount();
+                            }
+                        }
+                    }
+                }
+            };
+            match learned {
+                Ok(learned) => {
+                    self.answered();
+                    match learned {
+                        Reflected::Listed(items) => {
+                            self.known = items
+                                .into_iter()
+                                .map(|lease| (lease.metadata.name.clone(), lease))
+                                .collect();
+                        }
+                        Reflected::Applied(lease) => {
+                            self.known.insert(lease.metadata.name.clone(), lease);
+                        }
+                        Reflected::Deleted(lease) => {
+                            self.known.remove(&lease.metadata.name);
+                        }
+                        Reflected::Answered => {}
+                    }
+                    self.recount();
+                }
                 Err(error) => {
                     if self.failing {
                         tracing::debug!(%error, "still cannot list or watch proxy-server Leases");
@@ -147,73 +169,7 @@ impl Counter {
                         tracing::warn!(%error, count = *self.publish.borrow(), "cannot list or watch proxy-server Leases; keeping the last server count");
                     }
                     self.failing = true;
-                    tokio::time::sleep(retry).await;
-                    retry = (retry * 2).min(RETRY_MAX);
                 }
-            }
-        }
-    }
-
-    /// Follows the Leases' changes from the last version seen (listing
-    /// them first when there is none) until a watch cannot go on from it
-    /// (`Ok`: 410 Expired, list again) or a call fails (`Err`: the next
-    /// call watches on from the same version, as client-go's reflector
-    /// does, so that kube-apiserver coming back is not met by every agent
-    /// listing at once).
-    async fn follow(&mut self) -> Result<(), FollowError> {
-        let client = self.client.clone();
-        let namespace = self.settings.namespace.clone();
-        let leases = Leases::new(&client, &namespace);
-        if self.version.is_none() {
-            self.version = Some(self.list(&leases).await?);
-        }
-        let mut recount = tokio::time::interval(RECOUNT_EVERY);
-        loop {
-            let version = self.version.clone().expect("listed or watched");
-            let mut events = self.watch(&leases, &version).await?;
-            self.answered();
-            loop {
-                let event = tokio::select! {
-                    event = tokio::time::timeout(WATCH_SILENCE, events.next::<Lease>()) => {
-                        event.map_err(|_| FollowError::Silent(WATCH_SILENCE))??
-                    }
-                    _ = recount.tick() => {
-                        self.recount();
-                        continue;
-                    }
-                };
-                self.heard = SystemTime::now();
-                let version = match event {
-                    // The watch's time is up: the next one goes on from here.
-                    None => break,
-                    Some(WatchEvent::Added(lease) | WatchEvent::Modified(lease)) => {
-                        let version = lease.metadata.resource_version.clone();
-                        self.known.insert(lease.metadata.name.clone(), lease);
-                        version
-                    }
-                    Some(WatchEvent::Deleted(lease)) => {
-                        self.known.remove(&lease.metadata.name);
-                        lease.metadata.resource_version
-                    }
-                    Some(WatchEvent::Bookmark { resource_version }) => resource_version,
-                    Some(WatchEvent::Error { code: 410, .. }) => {
-                        self.version = None;
-                        return Ok(());
-                    }
-                    Some(WatchEvent::Error {
-                        code,
-                        reason,
-                        message,
-                    }) => {
-                        return Err(FollowError::Watch {
-                            code,
-                            reason,
-                            message,
-                        });
-                    }
-                };
-                self.version = Some(version);
-                self.recount();
             }
         }
     }
@@ -238,53 +194,6 @@ impl Counter {
             );
         }
         self.failing = false;
-    }
-
-    /// Lists the Leases into `known`; returns the list's resourceVersion.
-    async fn list(&mut self, leases: &Leases<'_>) -> Result<String, KubeError> {
-        let started = Instant::now();
-        let listed = leases.list(&self.settings.selector).await;
-        let took = started.elapsed();
-        match &listed {
-            Ok(_) => self.metrics.lease_call(LeaseCall::List, StatusCode::OK, "", took),
-            Err(error) => {
-                if let Some((status, reason)) = error.api_status() {
-                    self.metrics.lease_call(LeaseCall::List, status, reason, took);
-                }
-            }
-        }
-        let list = listed?;
-        self.known = list
-            .items
-            .into_iter()
-            .map(|lease| (lease.metadata.name.clone(), lease))
-            .collect();
-        self.answered();
-        self.recount();
-        Ok(list.metadata.resource_version)
-    }
-
-    async fn watch(
-        &self,
-        leases: &Leases<'_>,
-        version: &str,
-    ) -> Result<konnectivity_kube::WatchStream, KubeError> {
-        let started = Instant::now();
-        let watched = leases
-            .watch(&self.settings.selector, version, WATCH_TIMEOUT)
-            .await;
-        let took = started.elapsed();
-        match &watched {
-            Ok(_) => self
-                .metrics
-                .lease_call(LeaseCall::Watch, StatusCode::OK, "", took),
-            Err(error) => {
-                if let Some((status, reason)) = error.api_status() {
-                    self.metrics.lease_call(LeaseCall::Watch, status, reason, took);
-                }
-            }
-        }
-        watched
     }
 
     /// Counts the valid Leases and publishes the count when it changed.

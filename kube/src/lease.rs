@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::client::KubeClient;
 use crate::error::KubeError;
-use crate::watch::WatchStream;
+use crate::reflector::{Collection, Object, ObjectList, query_escape};
 
 /// A Lease, with the fields the proxy reads or writes named; every other
 /// field kube-apiserver sends (annotations, owner references, newer spec
@@ -107,22 +107,6 @@ impl<'de> Deserialize<'de> for MicroTime {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct LeaseList {
-    #[serde(default)]
-    pub metadata: ListMeta,
-    #[serde(default)]
-    pub items: Vec<Lease>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(rename_all = "camelCase")]
-pub struct ListMeta {
-    #[serde(default)]
-    pub resource_version: String,
-}
-
 /// The Leases of one namespace.
 pub struct Leases<'a> {
     client: &'a KubeClient,
@@ -174,33 +158,23 @@ impl<'a> Leases<'a> {
         self.client.delete(&self.item(name), options.as_ref()).await
     }
 
-    pub async fn list(&self, label_selector: &str) -> Result<LeaseList, KubeError> {
-        self.client
-            .get(&format!(
-                "{}?labelSelector={}",
-                self.collection(),
-                query_escape(label_selector)
-            ))
-            .await
+    pub async fn list(&self, label_selector: &str) -> Result<ObjectList<Lease>, KubeError> {
+        self.client.get(&self.matching(label_selector).list_path()).await
     }
 
-    /// Watches the Leases matching `label_selector` from `resource_version`
-    /// on; the server ends the watch after `timeout`.
-    pub async fn watch(
-        &self,
-        label_selector: &str,
-        resource_version: &str,
-        timeout: Duration,
-    ) -> Result<WatchStream, KubeError> {
-        self.client
-            .watch(&format!(
-                "{}?labelSelector={}&watch=true&allowWatchBookmarks=true&resourceVersion={}&timeoutSeconds={}",
-                self.collection(),
-                query_escape(label_selector),
-                query_escape(resource_version),
-                timeout.as_secs().max(1)
-            ))
-            .await
+    /// The Leases matching `label_selector`, to follow with a
+    /// [`crate::reflector::Reflector`].
+    pub fn matching(&self, label_selector: &str) -> Collection {
+        Collection {
+            path: self.collection(),
+            label_selector: label_selector.to_owned(),
+        }
+    }
+}
+
+impl Object for Lease {
+    fn resource_version(&self) -> &str {
+        &self.metadata.resource_version
     }
 }
 
@@ -212,19 +186,6 @@ fn with_kind(lease: &Lease) -> Lease {
         .insert("apiVersion".to_owned(), "coordination.k8s.io/v1".into());
     lease.other.insert("kind".to_owned(), "Lease".into());
     lease
-}
-
-/// What a URL component may carry unescaped (RFC 3986's unreserved).
-const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'_')
-    .remove(b'.')
-    .remove(b'~');
-
-/// Percent-encodes a path segment or query value (a label selector holds
-/// `=` and `,`).
-pub(crate) fn query_escape(text: &str) -> String {
-    percent_encoding::utf8_percent_encode(text, UNRESERVED).to_string()
 }
 
 /// Labels as a selector that matches them all, keys in order (as

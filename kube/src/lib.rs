@@ -8,6 +8,7 @@ mod error;
 pub mod lease;
 pub mod node;
 mod rate;
+pub mod reflector;
 mod selector;
 mod watch;
 

@@ -3,14 +3,10 @@
 //! (an agent's token or certificate names its node; see docs/security.md).
 
 use std::net::IpAddr;
-use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::client::KubeClient;
-use crate::error::KubeError;
-use crate::lease::ListMeta;
-use crate::watch::WatchStream;
+use crate::reflector::{Collection, Object};
 
 /// A node's name, as in `metadata.name` and a bound token's
 /// `authentication.kubernetes.io/node-name`.
@@ -109,41 +105,18 @@ impl Node {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct NodeList {
-    #[serde(default)]
-    pub metadata: ListMeta,
-    #[serde(default)]
-    pub items: Vec<Node>,
+impl Object for Node {
+    fn resource_version(&self) -> &str {
+        &self.metadata.resource_version
+    }
 }
 
-/// The cluster's Nodes.
-pub struct Nodes<'a> {
-    client: &'a KubeClient,
-}
-
-const NODES: &str = "/api/v1/nodes";
-
-impl<'a> Nodes<'a> {
-    pub fn new(client: &'a KubeClient) -> Nodes<'a> {
-        Nodes { client }
-    }
-
-    pub async fn list(&self) -> Result<NodeList, KubeError> {
-        self.client.get(NODES).await
-    }
-
-    /// Watches every Node from `resource_version` on; the server ends the
-    /// watch after `timeout`.
-    pub async fn watch(&self, resource_version: &str, timeout: Duration) -> Result<WatchStream, KubeError> {
-        self.client
-            .watch(&format!(
-                "{NODES}?watch=true&allowWatchBookmarks=true&resourceVersion={}&timeoutSeconds={}",
-                crate::lease::query_escape(resource_version),
-                timeout.as_secs().max(1)
-            ))
-            .await
+/// Every Node of the cluster, to follow with a
+/// [`crate::reflector::Reflector`].
+pub fn all_nodes() -> Collection {
+    Collection {
+        path: "/api/v1/nodes".to_owned(),
+        label_selector: String::new(),
     }
 }
 

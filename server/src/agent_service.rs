@@ -19,9 +19,11 @@ use konnectivity_telemetry::metrics::GaugeGuard;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::admission::Admission;
 use crate::backend::registry::Registry;
 use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
 use crate::backend::{Announced, Backend, BackendId, session};
+use crate::config::Config;
 use crate::identity::ProvenNode;
 use crate::metrics::ServerMetrics;
 use crate::token_auth::TokenAuthenticator;
@@ -29,6 +31,8 @@ use crate::token_auth::TokenAuthenticator;
 pub(crate) struct AgentServer {
     registry: Arc<Registry>,
     metrics: Arc<ServerMetrics>,
+    /// Which of an agent's identifiers its node has.
+    admission: Arc<Admission>,
     server_id: AsciiMetadataValue,
     server_count: AsciiMetadataValue,
     next_backend: AtomicU64,
@@ -40,24 +44,27 @@ pub(crate) struct AgentServer {
 }
 
 impl AgentServer {
+    /// The service for `config`'s agents (`--server-id`, `--server-count`,
+    /// `--control-plane-agent-ids`, `--agent-resume-timeout`).
     pub(crate) fn new(
+        config: &Config,
         registry: Arc<Registry>,
         metrics: Arc<ServerMetrics>,
-        server_id: &str,
-        server_count: u32,
-        control_plane_ids: Vec<String>,
+        admission: Arc<Admission>,
         token_auth: Option<TokenAuthenticator>,
-        resume_timeout: std::time::Duration,
     ) -> Result<Self, String> {
+        let server_id = &config.server_id;
+        let resume_timeout = config.agent_resume_timeout;
         Ok(AgentServer {
             registry,
             metrics,
+            admission,
             server_id: server_id
                 .parse()
                 .map_err(|_| format!("--server-id {server_id:?} is not printable ASCII"))?,
-            server_count: server_count.to_string().parse().expect("digits are ASCII"),
+            server_count: config.server_count.to_string().parse().expect("digits are ASCII"),
             next_backend: AtomicU64::new(1),
-            control_plane_ids,
+            control_plane_ids: config.control_plane_agent_ids.clone(),
             token_auth,
             resumption: (!resume_timeout.is_zero()).then(|| Resumption::new(resume_timeout, server_id)),
         })
@@ -138,10 +145,7 @@ impl AgentService for AgentServer {
             .get(flow::HEADER)
             .is_some_and(|value| value == flow::VERSION);
         let certificate_names = peer_certificate_names(&request);
-        // Not yet enforced: which identifiers the node proves comes next
-        // (docs/security.md).
         let proven_node = ProvenNode::of(token_node.as_ref(), &certificate_names);
-        tracing::debug!(%agent_id, node = proven_node.as_ref().map(|node| node.name().to_string()), "the agent's credential names its node");
         if control_plane {
             // The role comes from our configuration, bound to the verified
             // certificate: an agent cannot promote itself by its id alone.
@@ -154,6 +158,18 @@ impl AgentService for AgentServer {
                 )));
             }
         }
+        let mut admitted = if probe {
+            None
+        } else {
+            let admitted = self
+                .admission
+                .admit(&agent_id, identifiers, proven_node, control_plane)
+                .await
+                .inspect_err(
+                    |refused| tracing::warn!(%agent_id, error = refused.message(), "agent refused"),
+                )?;
+            Some(admitted)
+        };
         if probe {
             // An agent checking the connection and the server count: the
             // headers are the answer; nothing is registered.
@@ -205,9 +221,12 @@ impl AgentService for AgentServer {
             (true, false) => Extensions::FlowControl,
             (false, _) => Extensions::Upstream,
         };
+        let mut admitted = admitted.take().expect("not a probe");
+        let seen = admitted.take_seen();
         let announced = Announced {
             agent_id,
-            identifiers,
+            identifiers: admitted.identifiers,
+            binding: admitted.binding,
             control_plane,
             extensions,
         };
@@ -215,12 +234,13 @@ impl AgentService for AgentServer {
         let (backend, queues) = Backend::open(id, announced, self.metrics.clone());
         tracing::info!(
             agent_id = %backend.agent_id,
-            identifiers = %backend.identifiers,
+            identifiers = %backend.identifiers(),
             control_plane,
             flow_control,
             "agent connected"
         );
         self.registry.add(backend.clone());
+        self.admission.registered(&backend, seen);
 
         let open = GaugeGuard::new(&self.metrics.grpc_connections("Connect"));
         let registry = self.registry.clone();

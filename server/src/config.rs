@@ -15,9 +15,11 @@ use konnectivity_plumbing::tls::{self, Identity, PemFile, TlsOffer};
 use konnectivity_telemetry::klog::KlogArgs;
 
 use crate::backend::strategy::{Strategy, parse_strategies};
+use crate::identity::IdentifiersCheck;
 pub use crate::leases::LeaseSettings;
 use crate::policy::{AllowedDestination, parse_allowed};
 use crate::token_auth::AllowedAgents;
+use konnectivity_kube::node::NodeName;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -213,6 +215,18 @@ pub struct Args {
     /// ordinary egress. Needs --cluster-ca-cert: the agent's certificate must name its id.
     #[arg(long, value_parser = parse_list, default_value = "", help_heading = "Node-to-KAS (konnectivity-rs)")]
     pub control_plane_agent_ids: GoList,
+    /// What happens to an agent identifier (--agent-identifiers) that the node the agent's credential
+    /// names does not have (its Node's addresses, host names and pod ranges; a bound ServiceAccount
+    /// token or a certificate for system:node:NAME names the node): drop (the claim is dropped, the
+    /// agent keeps the rest; an agent whose credential names no node keeps all, as upstream), strict
+    /// (the stream is refused, also when the credential names no node) or off (upstream's behaviour).
+    /// Reading Nodes needs --kubeconfig or the pod's ServiceAccount, with get, list and watch on nodes.
+    #[arg(long, default_value = "drop", help_heading = "konnectivity-rs additions")]
+    pub agent_identifiers_check: IdentifiersCheck,
+    /// Nodes whose agents may claim default-route=true (comma-separated Node names); on any other
+    /// node the claim is dropped (--agent-identifiers-check).
+    #[arg(long, value_parser = parse_list, default_value = "", help_heading = "konnectivity-rs additions")]
+    pub default_route_nodes: GoList,
 
     #[command(flatten)]
     pub runtime: konnectivity_plumbing::runtime::RuntimeArgs,
@@ -286,6 +300,10 @@ pub struct Config {
     pub node_frontend: Option<NodeFrontend>,
     /// Agent ids that are control-plane agents (bound to their certificates).
     pub control_plane_agent_ids: Vec<String>,
+    /// `--agent-identifiers-check`.
+    pub identifiers_check: IdentifiersCheck,
+    /// `--default-route-nodes`.
+    pub default_route_nodes: Vec<NodeName>,
     /// Agents authenticate by ServiceAccount token rather than certificate.
     pub agent_auth: Option<AgentTokenAuth>,
     /// `--max-tunnels-per-frontend` (0: none).
@@ -435,14 +453,30 @@ impl Config {
                 audience: args.authentication_audience.clone(),
             },
         });
-        let kube = if agent_auth.is_some() || leases.is_some() {
-            let mut kube = KubeEndpoint::from_flag(&args.kubeconfig)
-                .map_err(|e| invalid("kubeconfig", e.to_string()))?;
-            kube.rate_limit = rate_limit;
-            Some(kube)
-        } else {
-            None
-        };
+        let checks_nodes = args.agent_identifiers_check != IdentifiersCheck::Off;
+        let kube =
+            if agent_auth.is_some() || leases.is_some() || (checks_nodes && !args.kubeconfig.is_empty()) {
+                let mut kube = KubeEndpoint::from_flag(&args.kubeconfig)
+                    .map_err(|e| invalid("kubeconfig", e.to_string()))?;
+                kube.rate_limit = rate_limit;
+                Some(kube)
+            } else if checks_nodes {
+                // Agents' certificates may name their nodes: in a pod, its
+                // ServiceAccount reads them; elsewhere there is nothing to read
+                // them with, and such claims are taken as made (logged).
+                KubeEndpoint::in_cluster().ok().map(|mut kube| {
+                    kube.rate_limit = rate_limit;
+                    kube
+                })
+            } else {
+                None
+            };
+        if args.agent_identifiers_check == IdentifiersCheck::Strict && kube.is_none() {
+            return Err(invalid(
+                "agent-identifiers-check",
+                "strict reads the Nodes agents run on: set --kubeconfig, or run in a pod with a ServiceAccount",
+            ));
+        }
         let tls_offer = tls_offer(&args.tls_min_version, &args.cipher_suites.0)?;
         let node_frontend = node_frontend(args)?;
         let control_plane_agent_ids = args.control_plane_agent_ids.0.clone();
@@ -486,6 +520,13 @@ impl Config {
             tls_offer,
             node_frontend,
             control_plane_agent_ids,
+            identifiers_check: args.agent_identifiers_check,
+            default_route_nodes: args
+                .default_route_nodes
+                .0
+                .iter()
+                .map(|name| NodeName(name.clone()))
+                .collect(),
             agent_auth,
             max_tunnels_per_frontend: args.max_tunnels_per_frontend,
             leases,
@@ -627,7 +668,8 @@ impl Args {
                 "kubeconfig",
                 !self.kubeconfig.is_empty()
                     && self.agent_namespace.is_empty()
-                    && !self.enable_lease_controller,
+                    && !self.enable_lease_controller
+                    && self.agent_identifiers_check == IdentifiersCheck::Off,
             ),
             (
                 "kube-api-content-type",

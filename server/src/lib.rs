@@ -4,6 +4,7 @@
 //! [`backend`] (agent streams and routing), [`tunnel`] (a frontend's dial),
 //! [`frontend`] (HTTP CONNECT and listeners), [`health`] and [`metrics`].
 
+mod admission;
 mod agent_service;
 mod backend;
 pub mod config;
@@ -12,6 +13,7 @@ mod health;
 mod identity;
 mod leases;
 mod metrics;
+mod nodes;
 mod policy;
 mod serving;
 mod token_auth;
@@ -79,16 +81,14 @@ async fn agent_server(
         let kube = kube.expect("token authentication comes with a kube-apiserver");
         TokenAuthenticator::new(kube.clone(), auth.allowed.clone())
     });
-    let service = AgentServer::new(
-        registry,
-        metrics,
-        &config.server_id,
-        config.server_count,
-        config.control_plane_agent_ids.clone(),
-        auth,
-        config.agent_resume_timeout,
-    )
-    .map_err(ServeError::Config)?;
+    let admission = admission::Admission::new(
+        config.identifiers_check,
+        kube.cloned(),
+        config.default_route_nodes.clone(),
+        registry.clone(),
+        metrics.clone(),
+    );
+    let service = AgentServer::new(config, registry, metrics, admission, auth).map_err(ServeError::Config)?;
     let keepalive = keepalive_with_resume(config.keepalive, config.agent_resume_timeout);
     Ok(grpc_server(keepalive)
         // Many tunneled connections share one agent stream: give it room.
@@ -108,8 +108,8 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     let metrics = Arc::new(ServerMetrics::default());
     let registry = Arc::new(Registry::new(config.strategies.clone(), metrics.clone()));
     let health = bind_tcp("health listener (--health-port)", config.health_addr).await?;
-    // One client, and so one connection (HTTP/2), for the TokenReviews and
-    // the Leases.
+    // One client, and so one connection (HTTP/2), for the TokenReviews,
+    // the Leases and the Nodes.
     let kube = config
         .kube
         .clone()

@@ -83,6 +83,9 @@ pub struct ServerMetrics {
     pub resumes: Resumes,
     /// Ours: CONNECT requests refused before any dial, by HTTP status.
     connect_rejections: Family<Labels, GoCounter>,
+    /// Ours: agents' identifier claims by outcome and reason
+    /// (`--agent-identifiers-check`).
+    identifier_claims: Family<Labels, GoCounter>,
     dial_failures: Family<Labels, GoCounter>,
     /// The lease garbage collector's (`--enable-lease-controller`): expired
     /// Leases it deleted, and its list and delete calls by outcome.
@@ -119,6 +122,7 @@ impl Default for ServerMetrics {
             tunnels_ended: TunnelsEnded::default(),
             resumes: Resumes::default(),
             connect_rejections: Family::default(),
+            identifier_claims: Family::default(),
             dial_failures: Family::default(),
             culled_leases: GoCounter::default(),
             lease_delete_latency: Family::new_with_constructor(|| Histogram::new(DEFAULT_BUCKETS)),
@@ -258,6 +262,12 @@ impl Default for ServerMetrics {
                 "CONNECT requests refused before any dial (malformed, not CONNECT, head too large or too slow), by HTTP status.",
                 metrics.connect_rejections.clone(),
             );
+            register(
+                registry,
+                "agent_identifier_claims_total",
+                "Identifiers agents claimed (--agent-identifiers), by outcome (admitted, dropped, refused, unchecked) and reason: whether the node the agent's credential names has them (--agent-identifiers-check).",
+                metrics.identifier_claims.clone(),
+            );
         });
         // Present from the start, so a dashboard sees 0 rather than nothing.
         metrics.full_receive_channels("Connect");
@@ -341,6 +351,14 @@ impl ServerMetrics {
         };
         self.connect_rejections
             .get_or_create(&vec![("status", status)])
+            .inc();
+    }
+
+    /// One identifier claim judged: `outcome` admitted, dropped, refused or
+    /// unchecked, for `reason`.
+    pub fn identifier_claim(&self, outcome: &'static str, reason: &'static str) {
+        self.identifier_claims
+            .get_or_create(&vec![("outcome", outcome), ("reason", reason)])
             .inc();
     }
 

@@ -23,6 +23,7 @@ mod logs;
 mod manifests;
 mod metrics;
 mod node_capture;
+mod node_identity;
 mod node_policy;
 mod partition;
 mod pod_capture;

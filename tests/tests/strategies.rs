@@ -6,17 +6,8 @@ use crate::support::TempDir;
 use crate::support::certs::Pki;
 use crate::support::connect::via_uds;
 use crate::support::procs::{Agent, Server};
+use crate::support::routing::{self, target_on};
 use crate::support::scrape::metric;
-use crate::support::targets::{self, Target};
-
-const DIALS: &str = "konnectivity_network_proxy_agent_dial_duration_seconds_count";
-
-/// A blob target on `ip` (any 127.0.0.0/8 address is loopback).
-async fn target_on(ip: &str) -> (Target, String) {
-    let target = targets::blob_on(targets::listener_on(ip.parse().unwrap())).await;
-    let address = target.addr.to_string();
-    (target, address)
-}
 
 struct Fleet {
     _dir: TempDir,
@@ -55,34 +46,13 @@ impl Fleet {
         }
     }
 
-    async fn dial_counts(&self) -> Vec<f64> {
-        let mut counts = Vec::new();
-        for (_, agent) in &self.agents {
-            counts.push(metric(agent.health_port, DIALS).await.unwrap_or(0.0));
-        }
-        counts
-    }
-
-    /// Dials `address` through the CONNECT frontend, moves bytes, and names
-    /// the agent whose dial counter moved.
+    /// The agent that serves a dial to `address` (which must be served).
     async fn served_by(&self, address: &str) -> &'static str {
-        let before = self.dial_counts().await;
-        let mut tunnel = via_uds(self.server.uds_path(), address)
+        let agents: Vec<(&'static str, &Agent)> =
+            self.agents.iter().map(|(name, agent)| (*name, agent)).collect();
+        routing::served_by(self.server.uds_path(), &agents, address)
             .await
-            .unwrap()
-            .unwrap_or_else(|refused| panic!("CONNECT {address} refused: {refused:?}"));
-        let (sent, received) = targets::push(&mut tunnel, 4096, 1).await.unwrap();
-        assert_eq!(sent, received);
-        let after = self.dial_counts().await;
-        let moved: Vec<_> = self
-            .agents
-            .iter()
-            .zip(before.iter().zip(&after))
-            .filter(|(_, (b, a))| a > b)
-            .map(|((name, _), _)| *name)
-            .collect();
-        assert_eq!(moved.len(), 1, "exactly one agent dials {address}: {moved:?}");
-        moved[0]
+            .unwrap_or_else(|refused| panic!("CONNECT {address} refused: {refused:?}"))
     }
 }
 

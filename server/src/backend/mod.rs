@@ -14,8 +14,8 @@ pub mod session;
 pub(crate) mod strategy;
 
 use std::future::Future;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
@@ -24,6 +24,7 @@ use konnectivity_mux::{Extensions, Route};
 use konnectivity_proto::{AgentIdentifiers, ConnectId, DialId, DialTarget, Frame};
 use tokio::sync::mpsc;
 
+use crate::identity::Binding;
 use crate::metrics::{Segment, ServerMetrics};
 
 /// Identifies one agent stream on this server (an agent may hold several).
@@ -35,7 +36,13 @@ pub struct BackendId(pub u64);
 pub struct Backend {
     pub id: BackendId,
     pub agent_id: String,
-    pub identifiers: AgentIdentifiers,
+    /// The identifiers dials are routed by: what the agent claimed, less
+    /// what its node does not have ([`crate::admission`]); replaced when
+    /// the node's Node changes.
+    identifiers: RwLock<AgentIdentifiers>,
+    /// The node the agent's credential names and what it claimed, when its
+    /// claims are checked against that node.
+    pub binding: Option<Arc<Binding>>,
     /// A control-plane agent: serves node dials only (see [`crate::policy`]).
     pub control_plane: bool,
     /// What the agent negotiated beyond upstream's protocol: flow control
@@ -97,7 +104,9 @@ const COMMAND_QUEUE: usize = 1024;
 #[derive(Debug, Clone, Default)]
 pub struct Announced {
     pub agent_id: String,
+    /// The identifiers admitted ([`crate::admission`]).
     pub identifiers: AgentIdentifiers,
+    pub binding: Option<Arc<Binding>>,
     /// Listed in `--control-plane-agent-ids` (and proven by its certificate).
     pub control_plane: bool,
     /// What it negotiated beyond upstream's protocol.
@@ -128,13 +137,15 @@ impl Backend {
         let Announced {
             agent_id,
             identifiers,
+            binding,
             control_plane,
             extensions,
         } = announced;
         let backend = Backend {
             id,
             agent_id,
-            identifiers,
+            identifiers: RwLock::new(identifiers),
+            binding,
             control_plane,
             extensions,
             outbound,
@@ -144,6 +155,17 @@ impl Backend {
             metrics,
         };
         (Arc::new(backend), Queues { to_agent, commands })
+    }
+
+    /// The identifiers dials are routed by now.
+    pub fn identifiers(&self) -> RwLockReadGuard<'_, AgentIdentifiers> {
+        self.identifiers.read().expect("identifiers lock poisoned")
+    }
+
+    /// Routes by `identifiers` from now on; the registry republishes what
+    /// each strategy can choose ([`registry::Registry::routes_changed`]).
+    pub(crate) fn set_identifiers(&self, identifiers: AgentIdentifiers) {
+        *self.identifiers.write().expect("identifiers lock poisoned") = identifiers;
     }
 
     pub fn is_draining(&self) -> bool {

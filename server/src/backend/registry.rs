@@ -87,6 +87,17 @@ impl Registry {
         backends.len()
     }
 
+    /// Every agent stream connected now.
+    pub(crate) fn snapshot(&self) -> Vec<Arc<Backend>> {
+        self.backends.read().expect("registry lock poisoned").clone()
+    }
+
+    /// Some agents' identifiers changed: what each strategy can choose is
+    /// published again.
+    pub(crate) fn routes_changed(&self) {
+        self.publish(&self.backends.read().expect("registry lock poisoned"));
+    }
+
     /// Whether no agent stream is connected.
     pub fn is_empty(&self) -> bool {
         self.backends.read().expect("registry lock poisoned").is_empty()

@@ -29,7 +29,7 @@ impl Strategy {
 
     /// Whether this strategy could choose `backend` for some dial.
     pub fn can_choose(self, backend: &Backend) -> bool {
-        let ids = &backend.identifiers;
+        let ids = backend.identifiers();
         match self {
             Strategy::Default => true,
             Strategy::DestHost => !(ids.hosts.is_empty() && ids.ipv4.is_empty() && ids.ipv6.is_empty()),
@@ -40,8 +40,8 @@ impl Strategy {
     fn admits(self, backend: &Backend, host: &str) -> bool {
         match self {
             Strategy::Default => true,
-            Strategy::DestHost => backend.identifiers.matches_host(host),
-            Strategy::DefaultRoute => backend.identifiers.default_route,
+            Strategy::DestHost => backend.identifiers().matches_host(host),
+            Strategy::DefaultRoute => backend.identifiers().default_route,
         }
     }
 }

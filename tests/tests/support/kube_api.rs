@@ -1,6 +1,6 @@
-//! A stand-in kube-apiserver for coordination.k8s.io/v1 Leases over
-//! HTTPS, as the real one serves them (a real kube-apiserver cannot be
-//! had here): one resourceVersion sequence for every change, updates and
+//! A stand-in kube-apiserver for coordination.k8s.io/v1 Leases and core/v1
+//! Nodes over HTTPS, as the real one serves them (a real kube-apiserver
+//! cannot be had here): one resourceVersion sequence for every change, updates and
 //! deletions refused with 409 Conflict when their resourceVersion is not
 //! the stored one, `labelSelector` (equality and set-based terms) on
 //! lists and watches, watches streamed as one JSON event per line from a
@@ -15,7 +15,13 @@
 //!
 //! It also answers `authentication.k8s.io/v1` TokenReviews for a table of
 //! ServiceAccount tokens ([`KubeApi::review_tokens`]), checking the audience,
-//! and counts reviews per token.
+//! and counts reviews per token; a token bound to a node
+//! ([`KubeApi::bind_token_to_node`]) is answered with the node in the user's
+//! extra, as kube-apiserver 1.30 and later answer a DaemonSet pod's token.
+//!
+//! Nodes are cluster-scoped; a test plays kubelet and the node controller
+//! ([`KubeApi::put_node`], [`KubeApi::delete_node`]), and clients get, list
+//! and watch them as they would Leases.
 //!
 //! Like kube-apiserver (Go's net/http), it offers HTTP/2 and HTTP/1.1 by ALPN
 //! and serves what the client picks; [`KubeApi::start_http1_only`] is one
@@ -45,14 +51,48 @@ pub const TOKEN: &str = "lease-client-secret";
 pub const SERVICE_ACCOUNT_TOKEN: &str = "pod-service-account-token";
 
 const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/";
+const NODES: &str = "/api/v1/nodes";
 const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
 
 type Body = BoxBody<Bytes, Infallible>;
 
+/// The kinds of object served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Resource {
+    Lease,
+    Node,
+}
+
+impl Resource {
+    fn kind(self) -> &'static str {
+        match self {
+            Resource::Lease => "Lease",
+            Resource::Node => "Node",
+        }
+    }
+
+    fn api_version(self) -> &'static str {
+        match self {
+            Resource::Lease => "coordination.k8s.io/v1",
+            Resource::Node => "v1",
+        }
+    }
+
+    /// As kube-apiserver names it in messages.
+    fn group_resource(self) -> &'static str {
+        match self {
+            Resource::Lease => "leases.coordination.k8s.io",
+            Resource::Node => "nodes",
+        }
+    }
+}
+
+/// An object's key: its kind, namespace ("" for Nodes) and name.
+type Key = (Resource, String, String);
+
 #[derive(Default)]
 struct Store {
-    /// By (namespace, name).
-    leases: BTreeMap<(String, String), Value>,
+    objects: BTreeMap<Key, Value>,
     /// The last resourceVersion handed out.
     version: u64,
     /// Every change after `compacted`, for watches that start from a
@@ -82,6 +122,8 @@ struct Reviews {
     audience: String,
     /// Token to the user it belongs to.
     users: HashMap<String, String>,
+    /// Token to the node (name, uid) it is bound to.
+    nodes: HashMap<String, (String, String)>,
     /// Reviews asked for, per token.
     counted: HashMap<String, usize>,
     /// When each review request arrived, in order.
@@ -101,6 +143,7 @@ struct Watches {
 struct Change {
     version: u64,
     kind: &'static str,
+    resource: Resource,
     namespace: String,
     object: Value,
 }
@@ -244,8 +287,8 @@ impl KubeApi {
     pub fn lease(&self, namespace: &str, name: &str) -> Option<Value> {
         let store = self.store.lock().unwrap();
         store
-            .leases
-            .get(&(namespace.to_owned(), name.to_owned()))
+            .objects
+            .get(&(Resource::Lease, namespace.to_owned(), name.to_owned()))
             .cloned()
     }
 
@@ -253,10 +296,10 @@ impl KubeApi {
     pub fn lease_names(&self, namespace: &str) -> Vec<String> {
         let store = self.store.lock().unwrap();
         store
-            .leases
+            .objects
             .keys()
-            .filter(|(ns, _)| ns == namespace)
-            .map(|(_, name)| name.clone())
+            .filter(|(resource, ns, _)| *resource == Resource::Lease && ns == namespace)
+            .map(|(_, _, name)| name.clone())
             .collect()
     }
 
@@ -265,8 +308,8 @@ impl KubeApi {
     pub fn touch(&self, namespace: &str, name: &str) {
         let mut store = self.store.lock().unwrap();
         let version = next_version(&mut store);
-        let key = (namespace.to_owned(), name.to_owned());
-        let lease = store.leases.get_mut(&key).expect("the Lease exists");
+        let key = (Resource::Lease, namespace.to_owned(), name.to_owned());
+        let lease = store.objects.get_mut(&key).expect("the Lease exists");
         lease["metadata"]["resourceVersion"] = json!(version.to_string());
         lease["metadata"]["annotations"] = json!({"touched-by": "test"});
         let object = lease.clone();
@@ -274,10 +317,44 @@ impl KubeApi {
             &mut store,
             &self.watches.changes,
             "MODIFIED",
-            namespace,
+            &key,
             object,
             version,
         );
+    }
+
+    /// Creates or replaces a Node as kubelet and the node controller do
+    /// (`node` is the object, without resourceVersion or uid: a new Node
+    /// gets a uid, a replaced one keeps its own); returns its uid.
+    pub fn put_node(&self, mut node: Value) -> String {
+        let name = node["metadata"]["name"]
+            .as_str()
+            .expect("a Node has a name")
+            .to_owned();
+        let key = (Resource::Node, String::new(), name);
+        let mut store = self.store.lock().unwrap();
+        let version = next_version(&mut store);
+        let (kind, uid) = match store.objects.get(&key) {
+            Some(stored) => ("MODIFIED", stored["metadata"]["uid"].as_str().unwrap().to_owned()),
+            None => ("ADDED", format!("node-uid-{version}")),
+        };
+        node["apiVersion"] = json!("v1");
+        node["kind"] = json!("Node");
+        node["metadata"]["resourceVersion"] = json!(version.to_string());
+        node["metadata"]["uid"] = json!(uid);
+        store.objects.insert(key.clone(), node.clone());
+        record(&mut store, &self.watches.changes, kind, &key, node, version);
+        uid
+    }
+
+    /// Deletes a Node, as `kubectl delete node` does.
+    pub fn delete_node(&self, name: &str) {
+        let key = (Resource::Node, String::new(), name.to_owned());
+        let mut store = self.store.lock().unwrap();
+        let mut node = store.objects.remove(&key).expect("the Node exists");
+        let version = next_version(&mut store);
+        node["metadata"]["resourceVersion"] = json!(version.to_string());
+        record(&mut store, &self.watches.changes, "DELETED", &key, node, version);
     }
 
     /// Answers 500 to every update of this Lease from now on.
@@ -338,6 +415,16 @@ impl KubeApi {
         });
     }
 
+    /// From now on `token`'s review names the node `name` (with `uid`) in
+    /// the user's extra, as for a bound token of a pod on that node.
+    pub fn bind_token_to_node(&self, token: &str, name: &str, uid: &str) {
+        let mut store = self.store.lock().unwrap();
+        let reviews = store.reviews.as_mut().expect("reviewing tokens");
+        reviews
+            .nodes
+            .insert(token.to_owned(), (name.to_owned(), uid.to_owned()));
+    }
+
     /// How many reviews of `token` were asked for.
     pub fn reviews_of(&self, token: &str) -> usize {
         let store = self.store.lock().unwrap();
@@ -381,14 +468,15 @@ fn record(
     store: &mut Store,
     changes: &broadcast::Sender<Change>,
     kind: &'static str,
-    namespace: &str,
+    key: &Key,
     object: Value,
     version: u64,
 ) {
     let change = Change {
         version,
         kind,
-        namespace: namespace.to_owned(),
+        resource: key.0,
+        namespace: key.1.clone(),
         object,
     };
     store.changes.push(change.clone());
@@ -422,7 +510,21 @@ async fn review(request: Request<Incoming>, store: &Arc<Mutex<Store>>) -> Respon
         Some(_) if request["spec"]["audiences"] != json!([audience]) => {
             json!({"authenticated": false, "error": "token audiences do not match"})
         }
-        Some(user) => json!({"authenticated": true, "user": {"username": user}, "audiences": [audience]}),
+        Some(user) => {
+            let mut user =
+                json!({"username": user, "groups": ["system:serviceaccounts", "system:authenticated"]});
+            if let Some((node, uid)) = reviews.nodes.get(&token) {
+                // As kube-apiserver 1.31 writes a DaemonSet pod's bound token.
+                user["extra"] = json!({
+                    "authentication.kubernetes.io/credential-id": ["JTI=7c9e2f0a"],
+                    "authentication.kubernetes.io/node-name": [node],
+                    "authentication.kubernetes.io/node-uid": [uid],
+                    "authentication.kubernetes.io/pod-name": ["konnectivity-agent-x7k2p"],
+                    "authentication.kubernetes.io/pod-uid": ["0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"],
+                });
+            }
+            json!({"authenticated": true, "user": user, "audiences": [audience]})
+        }
         None => json!({"authenticated": false, "error": "invalid bearer token"}),
     };
     answer(
@@ -562,17 +664,8 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
     if path == TOKEN_REVIEWS && request.method() == Method::POST {
         return review(request, store).await;
     }
-    let Some(rest) = path.strip_prefix(LEASES) else {
+    let Some((resource, namespace, name)) = route(&path) else {
         return failure(StatusCode::NOT_FOUND, "NotFound", format!("no route {path}"));
-    };
-    let (namespace, rest) = rest.split_once('/').unwrap_or((rest, ""));
-    let namespace = namespace.to_owned();
-    let name = match rest {
-        "leases" => None,
-        _ => match rest.strip_prefix("leases/") {
-            Some(name) => Some(name.to_owned()),
-            None => return failure(StatusCode::NOT_FOUND, "NotFound", format!("no route {path}")),
-        },
     };
     let query = query(&request);
     let method = request.method().clone();
@@ -586,14 +679,17 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
     if method == Method::GET && name.is_none() {
         store.lock().unwrap().selectors.insert(selector.clone());
     }
+    // Calls are counted by kind, and for Nodes apart ("GET list node").
     let call = |kind: &str| {
+        let suffix = if resource == Resource::Node { " node" } else { "" };
         *store
             .lock()
             .unwrap()
             .calls
-            .entry(format!("{method} {kind}"))
+            .entry(format!("{method} {kind}{suffix}"))
             .or_default() += 1;
     };
+    let key = |name: &str| (resource, namespace.clone(), name.to_owned());
     match (&method, name) {
         (&Method::GET, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
             call("watch");
@@ -606,23 +702,23 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
                 .and_then(|seconds| seconds.parse().ok())
                 .map(Duration::from_secs);
             let _ = watches.held.subscribe().wait_for(|held| !held).await;
-            watch(store, watches, namespace, selector, from, timeout)
+            watch(store, watches, (resource, namespace), selector, from, timeout)
         }
         (&Method::GET, None) => {
             call("list");
             let store = store.lock().unwrap();
             let items: Vec<Value> = store
-                .leases
+                .objects
                 .iter()
-                .filter(|((ns, _), lease)| {
-                    *ns == namespace && matches(&selector, &lease["metadata"]["labels"])
+                .filter(|((r, ns, _), object)| {
+                    *r == resource && *ns == namespace && matches(&selector, &object["metadata"]["labels"])
                 })
-                .map(|(_, lease)| lease.clone())
+                .map(|(_, object)| object.clone())
                 .collect();
             answer(
                 StatusCode::OK,
                 json!({
-                    "kind": "LeaseList", "apiVersion": "coordination.k8s.io/v1",
+                    "kind": format!("{}List", resource.kind()), "apiVersion": resource.api_version(),
                     "metadata": {"resourceVersion": store.version.to_string()},
                     "items": items,
                 }),
@@ -630,11 +726,17 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
         }
         (&Method::GET, Some(name)) => {
             call("get");
-            match store.lock().unwrap().leases.get(&(namespace, name.clone())) {
-                Some(lease) => answer(StatusCode::OK, lease.clone()),
-                None => not_found(&name),
+            match store.lock().unwrap().objects.get(&key(&name)) {
+                Some(object) => answer(StatusCode::OK, object.clone()),
+                None => not_found(resource, &name),
             }
         }
+        // Nodes are written by the test ([`KubeApi::put_node`]) only.
+        _ if resource == Resource::Node => failure(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            format!("{method} {path}"),
+        ),
         (&Method::POST, None) => {
             call("create");
             let mut store = store.lock().unwrap();
@@ -642,8 +744,8 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
             assert_eq!(lease["kind"], "Lease", "{lease}");
             assert_eq!(lease["apiVersion"], "coordination.k8s.io/v1", "{lease}");
             let name = lease["metadata"]["name"].as_str().unwrap_or_default().to_owned();
-            let key = (namespace.clone(), name.clone());
-            if store.leases.contains_key(&key) {
+            let key = key(&name);
+            if store.objects.contains_key(&key) {
                 return failure(
                     StatusCode::CONFLICT,
                     "AlreadyExists",
@@ -654,8 +756,8 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
             lease["metadata"]["resourceVersion"] = json!(version.to_string());
             lease["metadata"]["namespace"] = json!(namespace);
             lease["metadata"]["uid"] = json!(format!("uid-{version}"));
-            store.leases.insert(key, lease.clone());
-            record(&mut store, changes, "ADDED", &namespace, lease.clone(), version);
+            store.objects.insert(key.clone(), lease.clone());
+            record(&mut store, changes, "ADDED", &key, lease.clone(), version);
             answer(StatusCode::CREATED, lease)
         }
         (&Method::PUT, Some(name)) => {
@@ -668,9 +770,9 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
                     "refused by the test".to_owned(),
                 );
             }
-            let key = (namespace.clone(), name.clone());
-            let Some(stored) = store.leases.get(&key) else {
-                return not_found(&name);
+            let key = key(&name);
+            let Some(stored) = store.objects.get(&key) else {
+                return not_found(resource, &name);
             };
             let mut lease = body;
             let given = lease["metadata"]["resourceVersion"].as_str().unwrap_or_default();
@@ -681,33 +783,26 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
             let version = next_version(&mut store);
             lease["metadata"]["resourceVersion"] = json!(version.to_string());
             lease["metadata"]["uid"] = uid;
-            store.leases.insert(key, lease.clone());
-            record(
-                &mut store,
-                changes,
-                "MODIFIED",
-                &namespace,
-                lease.clone(),
-                version,
-            );
+            store.objects.insert(key.clone(), lease.clone());
+            record(&mut store, changes, "MODIFIED", &key, lease.clone(), version);
             answer(StatusCode::OK, lease)
         }
         (&Method::DELETE, Some(name)) => {
             call("delete");
             let mut store = store.lock().unwrap();
-            let key = (namespace.clone(), name.clone());
-            let Some(stored) = store.leases.get(&key) else {
-                return not_found(&name);
+            let key = key(&name);
+            let Some(stored) = store.objects.get(&key) else {
+                return not_found(resource, &name);
             };
             if let Some(wanted) = body["preconditions"]["resourceVersion"].as_str()
                 && wanted != stored["metadata"]["resourceVersion"].as_str().unwrap_or_default()
             {
                 return conflict(&name);
             }
-            let mut lease = store.leases.remove(&key).unwrap();
+            let mut lease = store.objects.remove(&key).unwrap();
             let version = next_version(&mut store);
             lease["metadata"]["resourceVersion"] = json!(version.to_string());
-            record(&mut store, changes, "DELETED", &namespace, lease, version);
+            record(&mut store, changes, "DELETED", &key, lease, version);
             answer(
                 StatusCode::OK,
                 json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"}),
@@ -721,11 +816,31 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
     }
 }
 
-fn not_found(name: &str) -> Response<Body> {
+/// What a path names: the kind, namespace ("" for Nodes) and, for one
+/// object, its name.
+fn route(path: &str) -> Option<(Resource, String, Option<String>)> {
+    if let Some(rest) = path.strip_prefix(NODES) {
+        return match rest {
+            "" => Some((Resource::Node, String::new(), None)),
+            _ => rest
+                .strip_prefix('/')
+                .filter(|name| !name.is_empty() && !name.contains('/'))
+                .map(|name| (Resource::Node, String::new(), Some(name.to_owned()))),
+        };
+    }
+    let (namespace, rest) = path.strip_prefix(LEASES)?.split_once('/')?;
+    let name = match rest {
+        "leases" => None,
+        _ => Some(rest.strip_prefix("leases/")?.to_owned()),
+    };
+    Some((Resource::Lease, namespace.to_owned(), name))
+}
+
+fn not_found(resource: Resource, name: &str) -> Response<Body> {
     failure(
         StatusCode::NOT_FOUND,
         "NotFound",
-        format!("leases.coordination.k8s.io \"{name}\" not found"),
+        format!("{} \"{name}\" not found", resource.group_resource()),
     )
 }
 
@@ -747,7 +862,7 @@ fn conflict(name: &str) -> Response<Body> {
 fn watch(
     store: &Arc<Mutex<Store>>,
     watches: &Watches,
-    namespace: String,
+    (resource, namespace): (Resource, String),
     selector: String,
     from: u64,
     timeout: Option<Duration>,
@@ -778,7 +893,9 @@ fn watch(
         tokio::spawn(async move {
             let event = |change: &Change| line(json!({"type": change.kind, "object": change.object}));
             let wanted = |change: &Change| {
-                change.namespace == namespace && matches(&selector, &change.object["metadata"]["labels"])
+                change.resource == resource
+                    && change.namespace == namespace
+                    && matches(&selector, &change.object["metadata"]["labels"])
             };
             let follow = async {
                 let mut last = from;

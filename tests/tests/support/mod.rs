@@ -19,6 +19,7 @@ pub mod kube_api;
 pub mod load;
 pub mod netns;
 pub mod procs;
+pub mod routing;
 pub mod scrape;
 pub mod split;
 pub mod targets;
