@@ -424,6 +424,7 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
             timeout: Some(Duration::from_secs(2)),
             class: FrontendClass::Apiserver,
             node_allowed: Arc::new(Vec::new()),
+            client_node: None,
             tunnel_limit: None,
         };
         let (mut client, sent) = mpsc::unbounded_channel::<Result<Packet, tonic::Status>>();

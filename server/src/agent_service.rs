@@ -27,6 +27,7 @@ use crate::config::Config;
 use crate::identity::ProvenNode;
 use crate::metrics::ServerMetrics;
 use crate::token_auth::TokenAuthenticator;
+use konnectivity_kube::node::NodeName;
 
 pub(crate) struct AgentServer {
     registry: Arc<Registry>,
@@ -37,6 +38,9 @@ pub(crate) struct AgentServer {
     server_count: AsciiMetadataValue,
     next_backend: AtomicU64,
     control_plane_ids: Vec<String>,
+    /// `--control-plane-nodes`: where control-plane agents may run (empty:
+    /// anywhere).
+    control_plane_nodes: Vec<NodeName>,
     /// Set when agents authenticate by ServiceAccount token.
     token_auth: Option<TokenAuthenticator>,
     /// Resumable agent streams; `None` with `--agent-resume-timeout=0`.
@@ -65,6 +69,7 @@ impl AgentServer {
             server_count: config.server_count.to_string().parse().expect("digits are ASCII"),
             next_backend: AtomicU64::new(1),
             control_plane_ids: config.control_plane_agent_ids.clone(),
+            control_plane_nodes: config.control_plane_nodes.clone(),
             token_auth,
             resumption: (!resume_timeout.is_zero()).then(|| Resumption::new(resume_timeout, server_id)),
         })
@@ -155,6 +160,17 @@ impl AgentService for AgentServer {
                 return Err(Status::permission_denied(format!(
                     "agent id {agent_id:?} is a control-plane id (--control-plane-agent-ids) but the client \
                      certificate names {names:?}"
+                )));
+            }
+            let node = proven_node.as_ref().map(ProvenNode::name);
+            if !self.control_plane_nodes.is_empty()
+                && !node.is_some_and(|node| self.control_plane_nodes.contains(node))
+            {
+                let node = node.map_or("no node".to_owned(), |node| format!("node {node:?}"));
+                tracing::warn!(%agent_id, %node, "refused a control-plane agent on a node --control-plane-nodes does not name");
+                return Err(Status::permission_denied(format!(
+                    "agent id {agent_id:?} is a control-plane id, but its credential names {node}, not one of \
+                     --control-plane-nodes"
                 )));
             }
         }

@@ -215,6 +215,11 @@ pub struct Args {
     /// ordinary egress. Needs --cluster-ca-cert: the agent's certificate must name its id.
     #[arg(long, value_parser = parse_list, default_value = "", help_heading = "Node-to-KAS (konnectivity-rs)")]
     pub control_plane_agent_ids: GoList,
+    /// Nodes whose agents may be control-plane agents (comma-separated Node names): when set, a
+    /// control-plane agent's credential must also name one of them (a certificate name
+    /// system:node:NAME, or a bound ServiceAccount token). Empty: any node.
+    #[arg(long, value_parser = parse_list, default_value = "", help_heading = "Node-to-KAS (konnectivity-rs)")]
+    pub control_plane_nodes: GoList,
     /// What happens to an agent identifier (--agent-identifiers) that the node the agent's credential
     /// names does not have (its Node's addresses, host names and pod ranges; a bound ServiceAccount
     /// token or a certificate for system:node:NAME names the node): drop (the claim is dropped, the
@@ -300,6 +305,8 @@ pub struct Config {
     pub node_frontend: Option<NodeFrontend>,
     /// Agent ids that are control-plane agents (bound to their certificates).
     pub control_plane_agent_ids: Vec<String>,
+    /// `--control-plane-nodes` (empty: any).
+    pub control_plane_nodes: Vec<NodeName>,
     /// `--agent-identifiers-check`.
     pub identifiers_check: IdentifiersCheck,
     /// `--default-route-nodes`.
@@ -520,19 +527,20 @@ impl Config {
             tls_offer,
             node_frontend,
             control_plane_agent_ids,
+            control_plane_nodes: node_names(&args.control_plane_nodes),
             identifiers_check: args.agent_identifiers_check,
-            default_route_nodes: args
-                .default_route_nodes
-                .0
-                .iter()
-                .map(|name| NodeName(name.clone()))
-                .collect(),
+            default_route_nodes: node_names(&args.default_route_nodes),
             agent_auth,
             max_tunnels_per_frontend: args.max_tunnels_per_frontend,
             leases,
             kube,
         })
     }
+}
+
+/// A list flag of Node names.
+fn node_names(list: &GoList) -> Vec<NodeName> {
+    list.0.iter().map(|name| NodeName(name.clone())).collect()
 }
 
 /// `--enable-lease-controller` and the flags it reads.

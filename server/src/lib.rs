@@ -124,6 +124,7 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         timeout: config.backend_dial_timeout,
         class: FrontendClass::Apiserver,
         node_allowed: Arc::new(Vec::new()),
+        client_node: None,
         tunnel_limit: Limit::from_flag("max-tunnels-per-frontend", config.max_tunnels_per_frontend),
     };
     let node_task = frontend::start_node(&config, &dialer, &watcher).await?;

@@ -86,6 +86,10 @@ pub struct ServerMetrics {
     /// Ours: agents' identifier claims by outcome and reason
     /// (`--agent-identifiers-check`).
     identifier_claims: Family<Labels, GoCounter>,
+    /// Ours: node tunnel streams opened, by whether the certificate names a
+    /// node; and the nodes with streams open.
+    node_streams: Family<Labels, GoCounter>,
+    node_frontend_nodes: Gauge,
     dial_failures: Family<Labels, GoCounter>,
     /// The lease garbage collector's (`--enable-lease-controller`): expired
     /// Leases it deleted, and its list and delete calls by outcome.
@@ -123,6 +127,8 @@ impl Default for ServerMetrics {
             resumes: Resumes::default(),
             connect_rejections: Family::default(),
             identifier_claims: Family::default(),
+            node_streams: Family::default(),
+            node_frontend_nodes: Gauge::default(),
             dial_failures: Family::default(),
             culled_leases: GoCounter::default(),
             lease_delete_latency: Family::new_with_constructor(|| Histogram::new(DEFAULT_BUCKETS)),
@@ -268,6 +274,18 @@ impl Default for ServerMetrics {
                 "Identifiers agents claimed (--agent-identifiers), by outcome (admitted, dropped, refused, unchecked) and reason: whether the node the agent's credential names has them (--agent-identifiers-check).",
                 metrics.identifier_claims.clone(),
             );
+            register(
+                registry,
+                "node_frontend_streams_total",
+                "Node tunnel streams opened on the node frontend, by identity: node (the client certificate names its node, system:node:NAME) or no_node.",
+                metrics.node_streams.clone(),
+            );
+            register(
+                registry,
+                "node_frontend_nodes",
+                "Nodes with node tunnel streams open on the node frontend, as their client certificates name them.",
+                metrics.node_frontend_nodes.clone(),
+            );
         });
         // Present from the start, so a dashboard sees 0 rather than nothing.
         metrics.full_receive_channels("Connect");
@@ -360,6 +378,17 @@ impl ServerMetrics {
         self.identifier_claims
             .get_or_create(&vec![("outcome", outcome), ("reason", reason)])
             .inc();
+    }
+
+    /// A node tunnel stream opened; `identity` node or no_node.
+    pub fn node_stream_opened(&self, identity: &'static str) {
+        self.node_streams
+            .get_or_create(&vec![("identity", identity)])
+            .inc();
+    }
+
+    pub fn set_node_frontend_nodes(&self, nodes: usize) {
+        self.node_frontend_nodes.set(nodes as i64);
     }
 
     pub fn limit_refused(&self, frontend: &'static str) {

@@ -12,6 +12,7 @@ use konnectivity_proto::{ConnectId, DialId, DialTarget};
 
 use crate::backend::registry::Registry;
 use crate::backend::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
+use crate::frontend::node_clients::NodeClient;
 use crate::metrics::{DialFailure, ServerMetrics};
 use crate::policy::{AllowedDestination, FrontendClass, PolicyError, check_node_destination};
 use konnectivity_plumbing::limit::{Limit, LimitReached, Slot};
@@ -170,6 +171,9 @@ pub struct Dialer {
     pub class: FrontendClass,
     /// For node clients: the destinations they may reach.
     pub node_allowed: Arc<Vec<AllowedDestination>>,
+    /// For node clients: the node the stream's certificate names, counted
+    /// while the stream and its tunnels live.
+    pub client_node: Option<Arc<NodeClient>>,
     /// `--max-tunnels-per-frontend`, counted for this frontend alone.
     pub tunnel_limit: Option<Limit>,
 }
@@ -187,7 +191,11 @@ impl Dialer {
             destination = address.as_str(),
             agent_id = tracing::field::Empty,
             connect_id = tracing::field::Empty,
+            node = tracing::field::Empty,
         );
+        if let Some(client) = &self.client_node {
+            span.record("node", tracing::field::display(&client.name));
+        }
         // Not `instrument`ed: the span's events here name it themselves, and
         // an instrumented future is larger, in every idle tunnel's task.
         span.in_scope(|| tracing::debug!(client = self.class.label(), "dial requested"));

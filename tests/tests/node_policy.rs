@@ -28,6 +28,12 @@ struct NodeSetup {
 }
 
 async fn setup() -> NodeSetup {
+    setup_with(&[]).await
+}
+
+/// The server (with `extra` flags), a cluster agent and the control-plane
+/// agent, waiting for as many agent streams as the server admits.
+async fn setup_with(extra: &[String]) -> NodeSetup {
     let dir = TempDir::new("konn-node");
     let pki = Pki::new(dir.path());
     let allowed = targets::blob().await;
@@ -44,7 +50,10 @@ async fn setup() -> NodeSetup {
             format!("--node-client-ca-cert={}", pki.node_ca.display()),
             format!("--node-allowed-destinations={},10.96.0.0/12:443", allowed.addr),
             format!("--control-plane-agent-ids={CONTROL_PLANE_ID}"),
-        ],
+        ]
+        .into_iter()
+        .chain(extra.iter().cloned())
+        .collect::<Vec<_>>(),
     )
     .await;
     let cluster_agent = Agent::start(dir.path(), &pki, server.agent_port, "cluster-1", &[]);
@@ -58,7 +67,9 @@ async fn setup() -> NodeSetup {
             format!("--agent-key={}", pki.control_plane_agent.key.display()),
         ],
     );
-    server.wait_backends(2).await;
+    if extra.is_empty() {
+        server.wait_backends(2).await;
+    }
     NodeSetup {
         dir,
         pki,
@@ -113,6 +124,51 @@ async fn node_clients_reach_allowed_destinations_only_through_the_control_plane_
         0.0,
         "a cluster agent got a node dial"
     );
+    // The node frontend knows whose streams these were: the certificate
+    // names node-1 (system:node:node-1, as kubelet's do).
+    let port = setup.server.health_port;
+    let server_metric = |series: &'static str| async move {
+        metric(port, &format!("konnectivity_network_proxy_server_{series}")).await
+    };
+    let by_node = server_metric(r#"node_frontend_streams_total{identity="node"}"#).await;
+    assert!(by_node >= Some(1.0), "{by_node:?}");
+    assert_eq!(
+        server_metric(r#"node_frontend_streams_total{identity="no_node"}"#).await,
+        None
+    );
+    let open = tunnel.dial(&setup.allowed.addr.to_string()).await.unwrap();
+    assert_eq!(server_metric("node_frontend_nodes").await, Some(1.0));
+    drop(open);
+    drop(tunnel);
+    wait_until(Duration::from_secs(5), "node-1's streams to end", || async {
+        server_metric("node_frontend_nodes").await == Some(0.0)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_control_plane_agent_must_run_on_a_node_control_plane_nodes_names() {
+    // The control-plane agent's certificate names cp-1 (its id) and the
+    // node cp-node; only other-node may run control-plane agents.
+    let setup = setup_with(&["--control-plane-nodes=other-node".to_owned()]).await;
+    wait_until(Duration::from_secs(10), "the refusal to be logged", || async {
+        setup
+            .server
+            .proc
+            .log_text()
+            .contains("refused a control-plane agent on a node")
+    })
+    .await;
+    let log = setup.control_plane_agent.proc.log_text();
+    assert!(log.contains("not one of --control-plane-nodes"), "{log}");
+    assert!(log.contains("cp-node"), "{log}");
+    setup.server.wait_backends(1).await;
+
+    // On a node the flag names, the same agent is admitted.
+    let setup = setup_with(&["--control-plane-nodes=cp-node,other-node".to_owned()]).await;
+    setup.server.wait_backends(2).await;
+    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
+    echo_once(&tunnel, &setup.allowed.addr.to_string()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,9 +23,12 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::node_clients::NodeClients;
 use super::resume::{ClientAttachment, ClientPackets, ResponseBody, StreamResume, response_body};
 use crate::backend::resume::{PeerIdentity, Resumption, Takeover};
+use crate::identity::certificate_node;
 use crate::metrics::{Segment, ServerMetrics};
+use crate::policy::FrontendClass;
 use crate::tunnel::{DialError, Dialer, TunnelConn, TunnelEnd};
 
 /// Packets queued towards one frontend client.
@@ -40,6 +43,8 @@ type ToClient = Box<Result<Packet, Status>>;
 
 pub(crate) struct ProxyServer {
     dialer: Dialer,
+    /// On the node frontend: the nodes whose streams are open.
+    node_clients: Option<Arc<NodeClients>>,
     /// The node frontend's resumable streams (super::resume), unless
     /// `--agent-resume-timeout=0`; never on kube-apiserver's frontend.
     resumption: Option<Arc<Resumption<ClientAttachment>>>,
@@ -47,7 +52,25 @@ pub(crate) struct ProxyServer {
 
 impl ProxyServer {
     pub(crate) fn new(dialer: Dialer, resumption: Option<Arc<Resumption<ClientAttachment>>>) -> Self {
-        ProxyServer { dialer, resumption }
+        let node_clients =
+            (dialer.class == FrontendClass::Node).then(|| NodeClients::new(dialer.metrics.clone()));
+        ProxyServer {
+            dialer,
+            node_clients,
+            resumption,
+        }
+    }
+
+    /// The dialer of a new stream: on the node frontend, it carries the
+    /// node the stream's certificate names.
+    fn stream_dialer<T>(&self, request: &Request<T>) -> Dialer {
+        match &self.node_clients {
+            None => self.dialer.clone(),
+            Some(clients) => Dialer {
+                client_node: clients.opened(certificate_node(&peer_certificate_names(request))),
+                ..self.dialer.clone()
+            },
+        }
     }
 }
 
@@ -65,21 +88,25 @@ impl ProxyService for ProxyServer {
                 return resume_client(resumption, request).await;
             }
             if metadata.get(RESUME).is_some_and(|value| value == "1") {
-                return Ok(serve_resumable(self.dialer.clone(), resumption, request));
+                return Ok(serve_resumable(self.stream_dialer(&request), resumption, request));
             }
         }
-        let packets = serve_client(self.dialer.clone(), request.into_inner());
+        let packets = serve_client(self.stream_dialer(&request), request.into_inner());
         Ok(Response::new(Box::pin(packets)))
     }
 }
 
-/// Who a node tunnel's client proved to be: its certificate's names. A
-/// stream resumes only a stream of the same names.
+/// Who a node tunnel's client proved to be: the node its certificate
+/// names, else the certificate's names. A stream resumes only a stream of
+/// the same proof: a node only its own connections.
 fn client_identity<T>(request: &Request<T>) -> PeerIdentity {
     let names = peer_certificate_names(request);
     PeerIdentity {
         agent_id: "node tunnel".to_owned(),
-        proof: format!("certificate {names:?}"),
+        proof: match certificate_node(&names) {
+            Some(node) => format!("node {node}"),
+            None => format!("certificate {names:?}"),
+        },
     }
 }
 

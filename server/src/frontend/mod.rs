@@ -4,6 +4,7 @@ mod authority;
 pub(crate) mod connect;
 pub(crate) mod grpc;
 pub(crate) mod listen;
+pub(crate) mod node_clients;
 pub(crate) mod preface;
 pub(crate) mod resume;
 pub(crate) mod stream;
@@ -118,6 +119,8 @@ pub(crate) async fn start_node(
     let node_dialer = Dialer {
         class: FrontendClass::Node,
         node_allowed: Arc::new(node.allowed.clone()),
+        // Set per stream, from its certificate (grpc::ProxyServer).
+        client_node: None,
         // Its own count: nodes cannot starve kube-apiserver of tunnels.
         tunnel_limit: Limit::from_flag("max-tunnels-per-frontend", config.max_tunnels_per_frontend),
         ..dialer.clone()

@@ -66,9 +66,11 @@ fn leaf(
     params.extended_key_usages = vec![usage];
     let key = KeyPair::generate().unwrap();
     let cert = params.signed_by(&key, issuer).unwrap();
+    // A common name such as system:node:node-1 makes a file node-1.
+    let file = name.rsplit(':').next().unwrap_or(name);
     let files = CertFiles {
-        cert: dir.join(format!("{name}.crt")),
-        key: dir.join(format!("{name}.key")),
+        cert: dir.join(format!("{file}.crt")),
+        key: dir.join(format!("{file}.key")),
     };
     std::fs::write(&files.cert, cert.pem()).unwrap();
     std::fs::write(&files.key, key.serialize_pem()).unwrap();
@@ -95,9 +97,11 @@ fn v1_leaf(dir: &Path, name: &str, issuer: &CertifiedIssuer<'static, KeyPair>) -
         0x30,
         &[&tbs[..], algorithm, &der::encode(0x03, &signature)].concat(),
     );
+    // A common name such as system:node:node-1 makes a file node-1.
+    let file = name.rsplit(':').next().unwrap_or(name);
     let files = CertFiles {
-        cert: dir.join(format!("{name}.crt")),
-        key: dir.join(format!("{name}.key")),
+        cert: dir.join(format!("{file}.crt")),
+        key: dir.join(format!("{file}.key")),
     };
     std::fs::write(&files.cert, pem_certificate(&cert)).unwrap();
     std::fs::write(&files.key, key.serialize_pem()).unwrap();
@@ -207,23 +211,25 @@ impl Pki {
                 &authority,
             ),
             stranger: leaf(dir, "stranger", &[], ExtendedKeyUsagePurpose::ClientAuth, &other),
+            // Named as kubelet's client certificates name their node.
             node_client: leaf(
                 dir,
-                "node-1",
+                "system:node:node-1",
                 &[],
                 ExtendedKeyUsagePurpose::ClientAuth,
                 &node_authority,
             ),
             other_node_client: leaf(
                 dir,
-                "node-2",
+                "system:node:node-2",
                 &[],
                 ExtendedKeyUsagePurpose::ClientAuth,
                 &node_authority,
             ),
+            // Its agent id as a name, on the node cp-node.
             control_plane_agent: leaf(
                 dir,
-                "cp-1",
+                "system:node:cp-node",
                 &["cp-1"],
                 ExtendedKeyUsagePurpose::ClientAuth,
                 &authority,
