@@ -158,7 +158,11 @@ async fn an_agent_serves_only_the_addresses_its_node_has_as_the_node_changes() {
         );
     }
 
-    // node-a's address moves: its agent's route follows.
+    // node-a's address moves: its agent's route follows. The server's
+    // Node watch has just been ended (as kube-apiserver ends every watch
+    // after its timeout): the change arrives on the next one, which goes on
+    // from the last version seen, without listing again.
+    api.end_watches();
     api.put_node(node("node-a", "127.0.0.7", "10.244.1.0/24"));
     let moved = Instant::now();
     wait_until(
@@ -176,7 +180,20 @@ async fn an_agent_serves_only_the_addresses_its_node_has_as_the_node_changes() {
     assert_eq!(claims(&server, "dropped", "not_the_nodes").await, 3.0);
 
     // node-a is deleted: its agent serves nothing; node-b's still serves.
+    // The deletion happens while the server is between watches and the
+    // history before it is compacted away (etcd compaction): the server's
+    // next watch is answered 410 Expired and it lists the Nodes again.
+    api.hold_watches(true);
+    let watches = api.calls("GET watch node");
+    api.end_watches();
+    wait_until(Duration::from_secs(5), "the server to watch again", || async {
+        api.calls("GET watch node") > watches
+    })
+    .await;
     api.delete_node("node-a");
+    api.put_node(node("node-c", "127.0.0.8", "10.244.3.0/24"));
+    api.compact();
+    api.hold_watches(false);
     wait_until(
         Duration::from_secs(5),
         "node-a's agent to lose its routes",
@@ -191,9 +208,10 @@ async fn an_agent_serves_only_the_addresses_its_node_has_as_the_node_changes() {
     )
     .await;
     assert_eq!(ready, Some(1.0), "only node-b's agent can serve destHost dials");
-    // One list and one watch of Nodes for the server, however many agents.
-    assert_eq!(api.calls("GET list node"), 1);
-    assert_eq!(api.calls("GET watch node"), 1);
+    // One list and one watch of Nodes for the server, however many agents,
+    // taken up again after each end; listed again only after the 410.
+    assert_eq!(api.calls("GET list node"), 2);
+    assert_eq!(api.calls("GET watch node"), 4);
 }
 
 /// Plays an agent with `token` claiming `identifiers`; how the server
