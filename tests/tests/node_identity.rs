@@ -11,17 +11,15 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tonic::metadata::MetadataValue;
 
 use crate::support::certs::Pki;
-use crate::support::kube_api::KubeApi;
+use crate::support::grpc::play_agent;
+use crate::support::kube_api::{AGENT_AUDIENCE, AGENT_USER, KubeApi};
 use crate::support::procs::{Agent, Server};
 use crate::support::routing::{served_by, target_on};
 use crate::support::scrape::metric;
 use crate::support::{TempDir, wait_until};
 
-const AUDIENCE: &str = "system:konnectivity-server";
-const AGENT_USER: &str = "system:serviceaccount:kube-system:konnectivity-agent";
 /// Node tokens: a DaemonSet pod's on node-a and on node-b; and a token
 /// that names no node (a cluster before 1.30, or a legacy Secret token).
 const TOKEN_A: &str = "token-of-the-pod-on-node-a";
@@ -51,7 +49,7 @@ fn node(name: &str, internal_ip: &str, pod_cidr: &str) -> Value {
 async fn start(dir: &Path, pki: &Pki, extra: &[&str]) -> (KubeApi, Server) {
     let api = KubeApi::start(pki).await;
     api.review_tokens(
-        AUDIENCE,
+        AGENT_AUDIENCE,
         &[
             (TOKEN_A, AGENT_USER),
             (TOKEN_B, AGENT_USER),
@@ -62,15 +60,8 @@ async fn start(dir: &Path, pki: &Pki, extra: &[&str]) -> (KubeApi, Server) {
     let uid_b = api.put_node(node("node-b", "127.0.0.6", "10.244.2.0/24"));
     api.bind_token_to_node(TOKEN_A, "node-a", &uid_a);
     api.bind_token_to_node(TOKEN_B, "node-b", &uid_b);
-    let kubeconfig = api.kubeconfig(dir, pki);
-    let mut flags = vec![
-        "--cluster-ca-cert=".to_owned(),
-        "--agent-namespace=kube-system".to_owned(),
-        "--agent-service-account=konnectivity-agent".to_owned(),
-        format!("--authentication-audience={AUDIENCE}"),
-        format!("--kubeconfig={}", kubeconfig.display()),
-        "--proxy-strategies=destHost".to_owned(),
-    ];
+    let mut flags = api.token_auth_flags(dir, pki);
+    flags.push("--proxy-strategies=destHost".to_owned());
     flags.extend(extra.iter().map(|flag| (*flag).to_owned()));
     let server = Server::start(dir, pki, "http-connect", true, &flags).await;
     (api, server)
@@ -222,14 +213,7 @@ async fn connect_with(
     token: &str,
     identifiers: &str,
 ) -> Result<(), tonic::Status> {
-    let mut client =
-        crate::support::grpc::agent_client(server.agent_port, pki.client_tls(None, &[b"h2"])).await;
-    let mut request = tonic::Request::new(tokio_stream::pending::<konnectivity_proto::Packet>());
-    let metadata = request.metadata_mut();
-    metadata.insert("agentid", MetadataValue::from_static("played-agent"));
-    metadata.insert("agentidentifiers", identifiers.parse().unwrap());
-    metadata.insert("authorization", format!("Bearer {token}").parse().unwrap());
-    client.connect(request).await.map(drop)
+    play_agent(server.agent_port, pki, Some(token), Some(identifiers)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,14 +8,12 @@ use std::time::Duration;
 use crate::support::TempDir;
 use crate::support::certs::Pki;
 use crate::support::connect::via_uds;
-use crate::support::kube_api::KubeApi;
+use crate::support::grpc::play_agent;
+use crate::support::kube_api::{AGENT_AUDIENCE, AGENT_USER, KubeApi};
 use crate::support::procs::{Agent, Server};
 use crate::support::scrape::metric;
 use crate::support::targets;
-use tonic::metadata::MetadataValue;
 
-const AUDIENCE: &str = "system:konnectivity-server";
-const AGENT_USER: &str = "system:serviceaccount:kube-system:konnectivity-agent";
 const GOOD: &str = "agent-token";
 const CACHED: &str = "agent-token-for-the-storm";
 const OTHER_SA: &str = "someone-elses-token";
@@ -40,16 +38,9 @@ async fn start_with(dir: &Path, pki: &Pki, extra: &[String]) -> (KubeApi, Server
     ];
     users.extend(BURST_TOKENS.iter().map(|token| (*token, AGENT_USER)));
     let reviewer = KubeApi::start(pki).await;
-    reviewer.review_tokens(AUDIENCE, &users);
-    let kubeconfig = reviewer.kubeconfig(dir, pki);
-    let mut flags = vec![
-        // No client certificates: the token is the agent's credential.
-        "--cluster-ca-cert=".to_owned(),
-        "--agent-namespace=kube-system".to_owned(),
-        "--agent-service-account=konnectivity-agent".to_owned(),
-        format!("--authentication-audience={AUDIENCE}"),
-        format!("--kubeconfig={}", kubeconfig.display()),
-    ];
+    reviewer.review_tokens(AGENT_AUDIENCE, &users);
+    // No client certificates: the token is the agent's credential.
+    let mut flags = reviewer.token_auth_flags(dir, pki);
     flags.extend_from_slice(extra);
     let server = Server::start(dir, pki, "http-connect", true, &flags).await;
     (reviewer, server)
@@ -58,18 +49,7 @@ async fn start_with(dir: &Path, pki: &Pki, extra: &[String]) -> (KubeApi, Server
 /// Plays an agent with `token` (none when `None`) and returns how the
 /// server answered the stream.
 async fn connect_with(server: &Server, pki: &Pki, token: Option<&str>) -> Result<(), tonic::Status> {
-    let mut client =
-        crate::support::grpc::agent_client(server.agent_port, pki.client_tls(None, &[b"h2"])).await;
-    let mut request = tonic::Request::new(tokio_stream::pending::<konnectivity_proto::Packet>());
-    request
-        .metadata_mut()
-        .insert("agentid", MetadataValue::from_static("played-agent"));
-    if let Some(token) = token {
-        request
-            .metadata_mut()
-            .insert("authorization", format!("Bearer {token}").parse().unwrap());
-    }
-    client.connect(request).await.map(drop)
+    play_agent(server.agent_port, pki, token, None).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,18 +224,17 @@ async fn two_hundred_agents_with_tokens_of_their_own_cost_one_kube_apiserver_con
     let api = KubeApi::start(&pki).await;
     let tokens: Vec<String> = (0..AGENTS).map(|i| format!("node-{i}-agent-token")).collect();
     let users: Vec<(&str, &str)> = tokens.iter().map(|token| (token.as_str(), AGENT_USER)).collect();
-    api.review_tokens(AUDIENCE, &users);
-    let flags = [
-        "--cluster-ca-cert=".to_owned(),
-        "--agent-namespace=kube-system".to_owned(),
-        "--agent-service-account=konnectivity-agent".to_owned(),
-        format!("--authentication-audience={AUDIENCE}"),
-        format!("--kubeconfig={}", api.kubeconfig(dir.path(), &pki).display()),
-        "--enable-lease-controller".to_owned(),
-        "--lease-renew-interval=1s".to_owned(),
-        "--lease-duration=5s".to_owned(),
-        "--lease-gc-interval=1s".to_owned(),
-    ];
+    api.review_tokens(AGENT_AUDIENCE, &users);
+    let mut flags = api.token_auth_flags(dir.path(), &pki);
+    flags.extend(
+        [
+            "--enable-lease-controller",
+            "--lease-renew-interval=1s",
+            "--lease-duration=5s",
+            "--lease-gc-interval=1s",
+        ]
+        .map(str::to_owned),
+    );
     let server = Server::start(dir.path(), &pki, "http-connect", true, &flags).await;
     let storm = tokens
         .iter()
@@ -296,14 +275,8 @@ async fn a_kube_apiserver_without_http2_is_spoken_to_in_http1() {
     let dir = TempDir::new("konn-token");
     let pki = Pki::new(dir.path());
     let api = KubeApi::start_http1_only(&pki).await;
-    api.review_tokens(AUDIENCE, &BURST_TOKENS.map(|token| (token, AGENT_USER)));
-    let flags = [
-        "--cluster-ca-cert=".to_owned(),
-        "--agent-namespace=kube-system".to_owned(),
-        "--agent-service-account=konnectivity-agent".to_owned(),
-        format!("--authentication-audience={AUDIENCE}"),
-        format!("--kubeconfig={}", api.kubeconfig(dir.path(), &pki).display()),
-    ];
+    api.review_tokens(AGENT_AUDIENCE, &BURST_TOKENS.map(|token| (token, AGENT_USER)));
+    let flags = api.token_auth_flags(dir.path(), &pki);
     let server = Server::start(dir.path(), &pki, "http-connect", true, &flags).await;
     let burst = BURST_TOKENS
         .iter()

@@ -49,6 +49,10 @@ use super::certs::Pki;
 pub const TOKEN: &str = "lease-client-secret";
 /// The token of the pod ServiceAccount below.
 pub const SERVICE_ACCOUNT_TOKEN: &str = "pod-service-account-token";
+/// The audience agents' tokens are issued for, and the user of the agents'
+/// ServiceAccount, as the manifests set them.
+pub const AGENT_AUDIENCE: &str = "system:konnectivity-server";
+pub const AGENT_USER: &str = "system:serviceaccount:kube-system:konnectivity-agent";
 
 const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/";
 const NODES: &str = "/api/v1/nodes";
@@ -258,6 +262,19 @@ impl KubeApi {
             }
         });
         self.serving = Some(serving);
+    }
+
+    /// proxy-server's flags to admit agents by ServiceAccount token (no client
+    /// certificates), reviewed by this stand-in: the agents' ServiceAccount
+    /// is [`AGENT_USER`]'s, their tokens for [`AGENT_AUDIENCE`].
+    pub fn token_auth_flags(&self, dir: &Path, pki: &Pki) -> Vec<String> {
+        vec![
+            "--cluster-ca-cert=".to_owned(),
+            "--agent-namespace=kube-system".to_owned(),
+            "--agent-service-account=konnectivity-agent".to_owned(),
+            format!("--authentication-audience={AGENT_AUDIENCE}"),
+            format!("--kubeconfig={}", self.kubeconfig(dir, pki).display()),
+        ]
     }
 
     /// A kubeconfig for proxy-server or proxy-agent pointing at this stand-in.
