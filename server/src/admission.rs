@@ -25,7 +25,7 @@ use crate::backend::Backend;
 use crate::backend::registry::Registry;
 use crate::identity::{Binding, Claim, IdentifiersCheck, ProvenNode, Verdict, admitted, claims, judge};
 use crate::metrics::ServerMetrics;
-use crate::nodes::{NodeDirectory, Published};
+use crate::nodes::{NodeDirectory, Published, moved};
 
 /// How long a stream waits for the first list of Nodes before its claims
 /// are judged without it (dropped; strict: refused).
@@ -201,14 +201,22 @@ impl Admission {
             let mut changes = seen.clone();
             let admission = Arc::downgrade(self);
             tokio::spawn(async move {
+                // What the last round judged against; the first round judges
+                // every bound stream.
+                let mut last: Published = None;
                 while changes.changed().await.is_ok() {
                     let nodes = changes.borrow_and_update().clone();
+                    let moved = moved(last.as_deref(), nodes.as_deref());
+                    last = nodes.clone();
                     let Some(admission) = admission.upgrade() else {
                         return;
                     };
                     let mut changed = false;
                     for backend in admission.registry.snapshot() {
-                        changed |= admission.rejudge(&backend, nodes.as_deref());
+                        let bound_to_moved = |binding: &Binding| moved.contains(binding.node.name());
+                        if backend.binding.as_deref().is_some_and(bound_to_moved) {
+                            changed |= admission.rejudge(&backend, nodes.as_deref());
+                        }
                     }
                     if changed {
                         admission.registry.routes_changed();

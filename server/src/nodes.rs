@@ -120,6 +120,41 @@ async fn follow(client: Arc<KubeClient>, published: watch::Sender<Published>) {
     }
 }
 
+/// Which Nodes' facts differ between two publications.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Moved {
+    /// The Nodes were not listed before: every node may have changed.
+    All,
+    Some(BTreeSet<NodeName>),
+}
+
+impl Moved {
+    pub(crate) fn contains(&self, node: &NodeName) -> bool {
+        match self {
+            Moved::All => true,
+            Moved::Some(moved) => moved.contains(node),
+        }
+    }
+}
+
+/// The Nodes added, removed or changed from `before` to `after`: only their
+/// agents are judged again, so a Node joining a cluster of thousands costs
+/// a lookup per agent, not a judgement. A Node not changed keeps its `Arc`,
+/// so the comparison is mostly of pointers.
+pub(crate) fn moved(before: Option<&NodeMap>, after: Option<&NodeMap>) -> Moved {
+    let (Some(before), Some(after)) = (before, after) else {
+        return Moved::All;
+    };
+    let differs = |a: &Arc<NodeFacts>, b: &Arc<NodeFacts>| !Arc::ptr_eq(a, b) && a != b;
+    let mut moved: BTreeSet<NodeName> = after
+        .iter()
+        .filter(|(name, facts)| before.get(*name).is_none_or(|old| differs(old, facts)))
+        .map(|(name, _)| name.clone())
+        .collect();
+    moved.extend(before.keys().filter(|name| !after.contains_key(*name)).cloned());
+    Moved::Some(moved)
+}
+
 /// Applies what was learned; whether anything admission reads changed.
 fn apply(published: &mut Published, learned: Reflected<Node>) -> bool {
     let facts = |node: &Node| (node.name(), Arc::new(NodeFacts::of(node)));
@@ -195,5 +230,47 @@ mod tests {
             Reflected::Deleted(node("a", "10.0.0.9", "10.1.0.0/24"))
         ));
         assert!(published.unwrap().is_empty());
+    }
+
+    #[test]
+    fn only_the_nodes_that_changed_are_judged_again() {
+        let listed: Published = None;
+        let mut published = listed.clone();
+        apply(
+            &mut published,
+            Reflected::Listed(vec![
+                node("a", "10.0.0.1", "10.1.0.0/24"),
+                node("b", "10.0.0.2", "10.2.0.0/24"),
+            ]),
+        );
+        assert_eq!(moved(listed.as_deref(), published.as_deref()), Moved::All);
+        let names =
+            |list: &[&str]| Moved::Some(list.iter().map(|name| NodeName((*name).to_owned())).collect());
+        let before = published.clone();
+        apply(
+            &mut published,
+            Reflected::Applied(node("c", "10.0.0.3", "10.3.0.0/24")),
+        );
+        assert_eq!(moved(before.as_deref(), published.as_deref()), names(&["c"]));
+        let before = published.clone();
+        apply(
+            &mut published,
+            Reflected::Applied(node("a", "10.0.0.9", "10.1.0.0/24")),
+        );
+        apply(
+            &mut published,
+            Reflected::Deleted(node("b", "10.0.0.2", "10.2.0.0/24")),
+        );
+        assert_eq!(moved(before.as_deref(), published.as_deref()), names(&["a", "b"]));
+        // A list that finds what was known moves nothing.
+        let before = published.clone();
+        apply(
+            &mut published,
+            Reflected::Listed(vec![
+                node("a", "10.0.0.9", "10.1.0.0/24"),
+                node("c", "10.0.0.3", "10.3.0.0/24"),
+            ]),
+        );
+        assert_eq!(moved(before.as_deref(), published.as_deref()), names(&[]));
     }
 }
