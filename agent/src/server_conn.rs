@@ -13,7 +13,7 @@ use konnectivity_mux::outbound::Writer;
 use konnectivity_mux::{Extensions, flow};
 use konnectivity_proto::metadata::{
     AGENT_ID, AGENT_IDENTIFIERS, AGENT_INSTANCE, PROBE, RESUME, RESUME_TOKEN, RESUMED, SERVER_COUNT,
-    SERVER_ID,
+    SERVER_ID, instance_id,
 };
 use konnectivity_proto::wire::agent_service_client::AgentServiceClient;
 use konnectivity_proto::{AgentIdentifiers, Packet, PacketType};
@@ -109,14 +109,6 @@ pub(crate) struct ServerStream {
     pub resumed: bool,
     /// The connection the stream runs on, for probes.
     pub channel: Channel,
-}
-
-/// This process's random id, sent with every resumable stream: a server
-/// that holds lost streams of ours under another id knows they belonged to
-/// a process that is gone.
-fn instance_id() -> &'static str {
-    static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    INSTANCE.get_or_init(|| uuid::Uuid::new_v4().to_string())
 }
 
 /// A stream's request body: the packets of the writer its session hands

@@ -440,6 +440,7 @@ fn frontend_exchange(data: &[u8]) -> Vec<konnectivity_proto::Frame> {
                     dialer.clone(),
                     &resumption,
                     node.clone(),
+                    None,
                     UnboundedReceiverStream::new(sent),
                 );
                 (body, Some(token))

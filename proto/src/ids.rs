@@ -60,7 +60,7 @@ impl fmt::Display for DialId {
 
 /// A random i64 without pulling a RNG crate into the protocol crate: the
 /// standard library's randomly keyed SipHash over a process-wide counter.
-fn rand_i64() -> i64 {
+pub(crate) fn rand_i64() -> i64 {
     use std::collections::hash_map::RandomState;
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};

@@ -56,6 +56,15 @@ pub mod metadata {
     /// stream from the same agent with another instance means the process
     /// that held the lost streams is gone: they will not resume.
     pub const AGENT_INSTANCE: &str = "konnectivity-rs-agent-instance";
+
+    /// This process's random id, sent as [`AGENT_INSTANCE`] with every
+    /// resumable stream it opens (agent streams and node tunnels' streams):
+    /// a server that holds lost streams of the same peer under another id
+    /// knows the process that held them is gone.
+    pub fn instance_id() -> &'static str {
+        static INSTANCE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        INSTANCE.get_or_init(|| format!("{:016x}{:016x}", crate::ids::rand_i64(), crate::ids::rand_i64()))
+    }
     /// A node tunnel's `Proxy` stream that resumes a lost one (with
     /// [`RESUME_TOKEN`]): the client's request header says how many bytes
     /// it has received, the server's response header how many it has.

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::support::certs::Pki;
+use crate::support::netns::{kill_connections_to, root_or_skip};
 use crate::support::procs::{Agent, Server};
 use crate::support::scrape::metric;
 use crate::support::targets::{self, Target};
@@ -460,4 +461,86 @@ async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent(
     )
     .await;
     assert_eq!(resumed_count, Some(1.0));
+}
+
+/// A node agent that dies (SIGKILL, OOM) takes its captured sockets with
+/// it: no later process can resume their streams. The server ends those
+/// streams, and the connections behind them, as soon as the node's next
+/// agent process opens a stream (it carries another process id), not after
+/// `--agent-resume-timeout`; another node's new process ends nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_node_agents_lost_streams_end_when_the_nodes_next_agent_opens_one() {
+    use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME};
+    if !root_or_skip("a_dead_node_agents_lost_streams_end_when_the_nodes_next_agent_opens_one") {
+        return;
+    }
+    let setup = setup().await;
+    let address = setup.allowed.addr.to_string();
+    let port = setup.server.health_port;
+    let dropped = || async move {
+        metric(
+            port,
+            "konnectivity_network_proxy_server_resume_dropped_connections_total",
+        )
+        .await
+        .unwrap_or(0.0)
+    };
+    let process = |instance: &str| vec![(RESUME, header("1")), (AGENT_INSTANCE, header(instance))];
+
+    // The first process's connection; then its node tunnel is cut (ss -K),
+    // as the kernel does when the process dies: the stream waits for a
+    // resume.
+    let dying = setup.node_tunnel(&setup.pki.node_client).await;
+    let (mut stream, _) = open_by_hand(&dying, process("first-process"), Some(&address))
+        .await
+        .unwrap();
+    stream.send(&targets::header(b'E', 0, 0)).await;
+    stream.send(b"hello").await;
+    assert_eq!(stream.receive(5).await, b"hello");
+    assert!(kill_connections_to(setup.node_port) > 0);
+
+    // Another node's new process changes nothing for node-1.
+    let other = setup.node_tunnel(&setup.pki.other_node_client).await;
+    let _other_stream = open_by_hand(&other, process("node-2-process"), Some(&address))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        dropped().await,
+        0.0,
+        "another node's process ended node-1's stream"
+    );
+
+    // node-1's next process: the dead one's stream ends now, with a reason.
+    let next = setup.node_tunnel(&setup.pki.node_client).await;
+    let opened = std::time::Instant::now();
+    let _next_stream = open_by_hand(&next, process("second-process"), Some(&address))
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(5),
+        "the dead process's stream to end",
+        || async { dropped().await == 1.0 },
+    )
+    .await;
+    println!("ended {:?} after the next process's stream", opened.elapsed());
+    let log = setup.server.proc.log_text();
+    assert!(
+        log.contains("the node agent process that held this node tunnel stream is gone"),
+        "{log}"
+    );
+    // Its connection to the API server went with it.
+    wait_until(
+        Duration::from_secs(5),
+        "the agent's endpoint connection to close",
+        || async {
+            metric(
+                setup.control_plane_agent.health_port,
+                "konnectivity_network_proxy_agent_open_endpoint_connections",
+            )
+            .await
+                == Some(2.0)
+        },
+    )
+    .await;
 }

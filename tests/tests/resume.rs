@@ -13,42 +13,13 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::support::cluster::Setup;
 use crate::support::connect::via_uds;
-use crate::support::netns::root_or_skip;
+use crate::support::netns::{kill_connections_to, root_or_skip};
 use crate::support::scrape::metric;
 use crate::support::targets::{self, pattern_digest};
 
 const MIB: u64 = 1024 * 1024;
 const SERVER_RESUMED: &str = "konnectivity_network_proxy_server_resumed_connections_total";
 const AGENT_RESUMED: &str = "konnectivity_network_proxy_agent_resumed_connections_total";
-
-/// Kills every TCP connection to `port` on loopback: the agent streams of
-/// the server this test started, which alone listens there.
-fn cut_agent_connections(port: u16) -> usize {
-    let output = std::process::Command::new("ss")
-        .args([
-            "-K",
-            "-t",
-            "-n",
-            "dst",
-            "127.0.0.1",
-            "dport",
-            "=",
-            &format!(":{port}"),
-        ])
-        .output()
-        .expect("ss runs");
-    assert!(
-        output.status.success(),
-        "ss -K: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    // One line per killed socket after the header.
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .skip(1)
-        .filter(|line| !line.trim().is_empty())
-        .count()
-}
 
 /// Cuts the agent's connection to `port` 20 times, 200 ms apart, while
 /// transfers run; a cut finds the connection only once the agent has
@@ -59,7 +30,7 @@ async fn cut_twenty_times(port: u16) {
     while cuts < 20 {
         assert!(Instant::now() < deadline, "20 cuts did not happen within 120 s");
         tokio::time::sleep(Duration::from_millis(200)).await;
-        if cut_agent_connections(port) > 0 {
+        if kill_connections_to(port) > 0 {
             cuts += 1;
         }
     }
@@ -444,7 +415,7 @@ async fn resume_benchmark() {
         tokio::time::sleep(Duration::from_millis(300)).await;
         // Taken before the kill: the pause includes ss's own few ms.
         let cut = Instant::now();
-        if cut_agent_connections(port) == 0 {
+        if kill_connections_to(port) == 0 {
             continue;
         }
         let resumed = loop {

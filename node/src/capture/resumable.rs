@@ -23,7 +23,7 @@ use konnectivity_mux::outbound::{Outbound, outbound};
 use konnectivity_mux::replay::{Arrival, arrival};
 use konnectivity_mux::{Extensions, Waited};
 use konnectivity_plumbing::backoff::Backoff;
-use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN, instance_id};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
 use tokio::io::AsyncWriteExt;
@@ -78,9 +78,15 @@ pub(crate) async fn dial(
         dial_id,
     };
     queue.try_send(request.into());
+    // With resume, this process's id: should it die, the server ends the
+    // streams it held as soon as the next agent on this node opens one,
+    // rather than waiting for a resume that cannot come.
     let headers = match context.timeout.is_zero() {
         true => Vec::new(),
-        false => vec![(RESUME, AsciiMetadataValue::from_static("1"))],
+        false => vec![
+            (RESUME, AsciiMetadataValue::from_static("1")),
+            (AGENT_INSTANCE, AsciiMetadataValue::from_static(instance_id())),
+        ],
     };
     let handshake = async {
         let (mut inbound, headers) = tunnel

@@ -44,7 +44,7 @@ pub enum Takeover<A = Attachment> {
 }
 
 /// Who an agent stream's peer proved to be.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PeerIdentity {
     pub agent_id: String,
     /// Its ServiceAccount token's user, or its client certificate's names.
@@ -71,7 +71,16 @@ pub struct Resumption<A = Attachment> {
     pub timeout: Duration,
     server_id: String,
     sessions: Mutex<HashMap<u64, Resumable<A>>>,
+    /// Each peer's last process id: only a change of it makes
+    /// [`Resumption::restarted`] look through every session (a node opens a
+    /// stream per connection; looking through 50,000 sessions each time
+    /// would cost more than the connection).
+    instances: Mutex<HashMap<PeerIdentity, String>>,
 }
+
+/// How many peers' process ids are remembered; past it the memory starts
+/// again (costing one look through the sessions per peer).
+const REMEMBERED_INSTANCES: usize = 100_000;
 
 /// A session's registration: its token, and the streams that resume it.
 /// Dropping it (the session ended) makes the token unknown.
@@ -94,6 +103,7 @@ impl<A> Resumption<A> {
             timeout,
             server_id: server_id.to_owned(),
             sessions: Mutex::new(HashMap::new()),
+            instances: Mutex::new(HashMap::new()),
         })
     }
 
@@ -192,6 +202,16 @@ impl<A> Resumption<A> {
     /// `instance`: its sessions held by another process wait for a resume
     /// that will not come (see [`Takeover::Restarted`]).
     pub fn restarted(&self, identity: &PeerIdentity, instance: Option<&str>) {
+        if let Some(instance) = instance {
+            let mut instances = self.instances.lock().unwrap_or_else(PoisonError::into_inner);
+            if instances.get(identity).is_some_and(|last| last == instance) {
+                return;
+            }
+            if instances.len() >= REMEMBERED_INSTANCES {
+                instances.clear();
+            }
+            instances.insert(identity.clone(), instance.to_owned());
+        }
         for session in self.sessions().values() {
             if session.identity == *identity && session.instance.as_deref() != instance {
                 let _ = session.attach.try_send(Takeover::Restarted);
@@ -278,5 +298,28 @@ mod tests {
         let refused = resumption.find(&[&kept], &agent).unwrap_err();
         assert_eq!(refused.code(), tonic::Code::NotFound);
         assert!(refused.message().contains("--agent-resume-timeout"));
+    }
+
+    /// A new stream from another process of the same peer tells that peer's
+    /// sessions held for other processes; the same process's next streams,
+    /// and other peers' processes, tell nothing.
+    #[test]
+    fn only_a_new_process_of_the_same_peer_ends_its_lost_sessions() {
+        let resumption: Arc<Resumption> = Resumption::new(Duration::from_secs(60), "server-a");
+        let node = identity("node tunnel", "node node-1");
+        let restarted =
+            |ticket: &mut Ticket| matches!(ticket.attachments.try_recv(), Ok(Takeover::Restarted));
+        resumption.restarted(&node, Some("first"));
+        let mut first = resumption.issue(node.clone(), Some("first".to_owned()));
+        resumption.restarted(&node, Some("first"));
+        assert!(!restarted(&mut first), "the same process");
+        resumption.restarted(&identity("node tunnel", "node node-2"), Some("other"));
+        assert!(!restarted(&mut first), "another node");
+        resumption.restarted(&node, Some("second"));
+        assert!(restarted(&mut first), "the node's next process");
+        // The second process's own next streams tell nothing.
+        let mut second = resumption.issue(node.clone(), Some("second".to_owned()));
+        resumption.restarted(&node, Some("second"));
+        assert!(!restarted(&mut second));
     }
 }

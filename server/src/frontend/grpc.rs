@@ -14,7 +14,7 @@ use futures_util::{Stream, StreamExt};
 use konnectivity_mux::Waited;
 use konnectivity_mux::outbound::{Outbound, Queueing, outbound};
 use konnectivity_mux::replay::Arrival;
-use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN};
 use konnectivity_proto::wire::proxy_service_server::ProxyService;
 use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
 use konnectivity_telemetry::metrics::GaugeGuard;
@@ -118,7 +118,12 @@ fn serve_resumable(
     request: Request<Streaming<Packet>>,
 ) -> Response<ResponseBody> {
     let identity = client_identity(&request);
-    let (body, token) = serve_resumable_client(dialer, resumption, identity, request.into_inner());
+    let instance = request
+        .metadata()
+        .get(AGENT_INSTANCE)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    let (body, token) = serve_resumable_client(dialer, resumption, identity, instance, request.into_inner());
     let mut response = Response::new(body);
     if let Ok(token) = AsciiMetadataValue::try_from(token) {
         response.metadata_mut().insert(RESUME_TOKEN, token);
@@ -127,14 +132,20 @@ fn serve_resumable(
 }
 
 /// [`serve_resumable`] without the gRPC envelope: the response's packets and
-/// the stream's token. (Public for the fuzz target.)
+/// the stream's token. `instance` is the node agent process that opened it:
+/// the same node's lost streams held for another process end now, as that
+/// process is gone. (Public for the fuzz target.)
 pub fn serve_resumable_client(
     dialer: Dialer,
     resumption: &Arc<Resumption<ClientAttachment>>,
     identity: PeerIdentity,
+    instance: Option<String>,
     packets: impl Stream<Item = Result<Packet, Status>> + Send + Sync + 'static,
 ) -> (ResponseBody, String) {
-    let ticket = resumption.issue(identity, None);
+    if instance.is_some() {
+        resumption.restarted(&identity, instance.as_deref());
+    }
+    let ticket = resumption.issue(identity, instance);
     let token = ticket.token.clone();
     let queue = outbound(TO_CLIENT_QUEUE);
     let writer = queue.attach();

@@ -89,7 +89,16 @@ impl StreamResume {
                         return Some(packets);
                     }
                 }
-                Ok(Some(Takeover::Restarted) | None) => return None,
+                Ok(Some(Takeover::Restarted)) => {
+                    self.metrics.dropped.inc();
+                    tracing::info!(
+                        connect_id = connect_id.get(),
+                        "the node agent process that held this node tunnel stream is gone (the node's next stream \
+                         came from another process); closing its connection"
+                    );
+                    return None;
+                }
+                Ok(None) => return None,
                 Err(_) => {
                     self.metrics.timed_out.inc();
                     tracing::info!(

@@ -35,6 +35,37 @@ pub fn root_or_skip(test: &str) -> bool {
     false
 }
 
+/// Kills every TCP connection to `port` on loopback (`ss -K`: the socket
+/// destroyed under the process, as a reset or a load balancer's cut does):
+/// the connections of the one server a test started there. Needs root.
+/// Returns how many were killed.
+pub fn kill_connections_to(port: u16) -> usize {
+    let output = std::process::Command::new("ss")
+        .args([
+            "-K",
+            "-t",
+            "-n",
+            "dst",
+            "127.0.0.1",
+            "dport",
+            "=",
+            &format!(":{port}"),
+        ])
+        .output()
+        .expect("ss runs");
+    assert!(
+        output.status.success(),
+        "ss -K: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // One line per killed socket after the header.
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .skip(1)
+        .filter(|line| !line.trim().is_empty())
+        .count()
+}
+
 fn run(command: &mut Command) -> Output {
     let output = command.output().unwrap_or_else(|e| panic!("{command:?}: {e}"));
     assert!(
