@@ -174,18 +174,6 @@ impl AgentService for AgentServer {
                 )));
             }
         }
-        let mut admitted = if probe {
-            None
-        } else {
-            let admitted = self
-                .admission
-                .admit(&agent_id, identifiers, proven_node, control_plane)
-                .await
-                .inspect_err(
-                    |refused| tracing::warn!(%agent_id, error = refused.message(), "agent refused"),
-                )?;
-            Some(admitted)
-        };
         if probe {
             // An agent checking the connection and the server count: the
             // headers are the answer; nothing is registered.
@@ -237,7 +225,13 @@ impl AgentService for AgentServer {
             (true, false) => Extensions::FlowControl,
             (false, _) => Extensions::Upstream,
         };
-        let mut admitted = admitted.take().expect("not a probe");
+        // A new stream (a resumed one keeps its session's routes): which of
+        // its claims its node has.
+        let mut admitted = self
+            .admission
+            .admit(&agent_id, identifiers, proven_node, control_plane)
+            .await
+            .inspect_err(|refused| tracing::warn!(%agent_id, error = refused.message(), "agent refused"))?;
         let seen = admitted.take_seen();
         let announced = Announced {
             agent_id,
