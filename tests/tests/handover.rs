@@ -157,7 +157,25 @@ async fn replace_rolling(node: &mut Node, pods: &mut Vec<Pod>, download: bool) -
         let old = node.agent.take().unwrap();
         node.start_agent();
         let name = format!("during-{n}");
-        let adding = node.containerd.run_pod(&name, "default");
+        // A request that reached the old agent as it handed over fails with
+        // "try again" (docs/handover.md); kubelet's pod worker retries a
+        // failed RunPodSandbox, and so does this, at most twice.
+        let adding = async {
+            let mut retries = 0;
+            loop {
+                match node.containerd.run_pod(&name, "default").await {
+                    Err(status) if status.message().contains("try again") && retries < 2 => {
+                        retries += 1;
+                        println!(
+                            "RunPodSandbox during replacement {n}: {}; retrying",
+                            status.message()
+                        );
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    done => break done,
+                }
+            }
+        };
         let (added, ()) = tokio::join!(adding, took_over(node.agent.as_ref().unwrap()));
         pods.push(added.unwrap_or_else(|status| panic!("RunPodSandbox during replacement {n}: {status}")));
         // Ready: the old pod is deleted, and its agent told to stop.
