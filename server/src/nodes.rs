@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use ipnet::IpNet;
 use konnectivity_kube::KubeClient;
 use konnectivity_kube::node::{Node, NodeName, all_nodes};
-use konnectivity_kube::reflector::{Reflected, Reflector};
+use konnectivity_kube::reflector::{ReflectError, Reflected, Reflector};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -106,7 +106,8 @@ async fn follow(client: Arc<KubeClient>, published: watch::Sender<Published>) {
             }
             Err(error) => {
                 if !failing {
-                    let hint = if error.to_string().contains(" 403 ") {
+                    let forbidden = matches!(&error, ReflectError::Kube(kube) if kube.is_status(http::StatusCode::FORBIDDEN));
+                    let hint = if forbidden {
                         "; the server's account needs get, list and watch on nodes \
                          (or --agent-identifiers-check=off)"
                     } else {
