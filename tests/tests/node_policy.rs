@@ -463,6 +463,111 @@ async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent(
     assert_eq!(resumed_count, Some(1.0));
 }
 
+/// A connection that ends while its stream is lost (a node agent that
+/// handed it to its successor, or a cut): the target's last bytes and the
+/// CLOSE_RSP went to a stream the client no longer reads. The server keeps
+/// the session until the client has them, and a stream that resumes it gets
+/// them again; ending the session at once (as before) refused the resume,
+/// and the connection was reset with its last bytes lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_bytes_and_close_of_a_connection_reach_a_stream_that_resumes_it() {
+    use konnectivity_proto::Frame;
+    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+
+    let setup = setup().await;
+    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
+    let address = setup.allowed.addr.to_string();
+    let (mut lost, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
+        .await
+        .unwrap();
+    let token = answer.get(RESUME_TOKEN).unwrap().to_str().unwrap().to_owned();
+    // 1000 bytes, then a command the target does not know: it closes.
+    lost.send(&targets::header(b'G', 1000, 3)).await;
+    lost.send(&targets::header(b'X', 0, 0)).await;
+    // This stream stays open and unread, as a predecessor's does after a
+    // hand-over, while the server sends everything and the CLOSE_RSP.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let headers = vec![(RESUME_TOKEN, header(&token)), (RESUME_RECEIVED, header("0"))];
+    let (mut resumed, answer) = open_by_hand(&tunnel, headers, None)
+        .await
+        .unwrap_or_else(|refused| panic!("the resume was refused: {}", refused.message()));
+    let server_received = answer.get(RESUME_RECEIVED).unwrap().to_str().unwrap();
+    assert_eq!(server_received, "34", "the server has both commands");
+    resumed.connect_id = lost.connect_id;
+    let data = resumed.receive(1000).await;
+    let mut expected = Vec::new();
+    targets::write_pattern(&mut expected, 1000, 3).await.unwrap();
+    assert_eq!(data, expected, "the target's bytes, again, from the start");
+    let close = tokio::time::timeout(Duration::from_secs(10), resumed.inbound.message())
+        .await
+        .expect("CLOSE_RSP within 10 s")
+        .unwrap()
+        .expect("the stream carries the CLOSE_RSP");
+    assert!(
+        matches!(
+            Frame::try_from(close),
+            Ok(Frame::CloseResponse { error: None, .. })
+        ),
+        "the connection's close, again"
+    );
+    drop(lost);
+}
+
+/// A node agent hands a connection to its successor while the connection's
+/// stream is still open, and the successor's own new streams carry another
+/// process id, which tells the server to end the waiting streams of the
+/// node's other processes. A stream that is attached does not wait: the
+/// successor's resume of it is taken at once (a server that let that
+/// message stop it from taking resumes served them only when the old
+/// stream next carried a packet, or ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_still_open_is_resumed_at_once_after_another_process_of_the_node_opened_one() {
+    use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+
+    let setup = setup().await;
+    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
+    let address = setup.allowed.addr.to_string();
+    let (mut held, answer) = open_by_hand(
+        &tunnel,
+        vec![(RESUME, header("1")), (AGENT_INSTANCE, header("predecessor"))],
+        Some(&address),
+    )
+    .await
+    .unwrap();
+    let token = answer.get(RESUME_TOKEN).unwrap().to_str().unwrap().to_owned();
+    held.send(&targets::header(b'E', 0, 0)).await;
+    held.send(b"before").await;
+    assert_eq!(held.receive(6).await, b"before");
+    // Past the server's acknowledgement of a quiet connection (after 1 s,
+    // konnectivity_mux::flow::QUIET_ACK_AFTER): nothing is
+    // due on the held stream any more.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The successor's first stream of its own.
+    let (_successors, _) = open_by_hand(
+        &tunnel,
+        vec![(RESUME, header("1")), (AGENT_INSTANCE, header("successor"))],
+        Some(&address),
+    )
+    .await
+    .unwrap();
+    // The held stream stays open and silent; the successor resumes it.
+    let headers = vec![
+        (RESUME_TOKEN, header(&token)),
+        (RESUME_RECEIVED, header(&held.received.to_string())),
+    ];
+    let (mut resumed, _) = tokio::time::timeout(Duration::from_secs(5), open_by_hand(&tunnel, headers, None))
+        .await
+        .expect("the resume is answered at once, not when the old stream next moves")
+        .unwrap();
+    resumed.connect_id = held.connect_id;
+    resumed.sent = held.sent;
+    resumed.received = held.received;
+    resumed.send(b"after").await;
+    assert_eq!(resumed.receive(5).await, b"after");
+    drop(held);
+}
+
 /// A node agent that dies (SIGKILL, OOM) takes its captured sockets with
 /// it: no later process can resume their streams. The server ends those
 /// streams, and the connections behind them, as soon as the node's next

@@ -498,11 +498,19 @@ impl ClientStream {
                             }
                         },
                         // The client resumed on a new stream before this
-                        // one failed here (a silent link, say).
-                        Some(Takeover::Resume(attachment)) = resume.ticket.attachments.recv() => {
-                            if let Some(packets) = resume.attach(connect_id, attachment) {
+                        // one failed here (a silent link, or a node agent
+                        // that handed the connection to its successor).
+                        // Matched in full: a pattern that left out
+                        // `Restarted` would stop this branch from being
+                        // polled again until the next packet came.
+                        Some(takeover) = resume.ticket.attachments.recv() => {
+                            if let Takeover::Resume(attachment) = takeover
+                                && let Some(packets) = resume.attach(connect_id, attachment)
+                            {
                                 inbound.resumed(packets);
                             }
+                            // `Restarted` is for a stream that waits; this
+                            // one is attached.
                             continue;
                         }
                     },
@@ -620,8 +628,62 @@ impl ClientStream {
         };
         drop(sender);
         life.end(reason);
-        if let RelayEnd::Close(error) = end {
-            let _ = self.close(connect_id, error).await;
+        if let RelayEnd::Close(error) = end
+            && self.close(connect_id, error.clone()).await.is_ok()
+        {
+            // Rare per connection, and boxed so that it does not make every
+            // tunnel's task larger.
+            Box::pin(self.linger(connect_id, error)).await;
+        }
+    }
+
+    /// A resumable stream's connection has ended and its CLOSE_RSP is
+    /// queued; the session stays until the client has it. The client ends
+    /// its stream cleanly once it read the CLOSE_RSP; a stream lost before
+    /// that (a cut, or a node agent that handed the connection to its
+    /// successor) is resumed as before, and the resuming stream gets again
+    /// what the client lacks, then the CLOSE_RSP. Ending the session at once
+    /// would lose the last bytes and the close whenever they were on their
+    /// way when the stream was lost: the resume would find no session.
+    async fn linger(&mut self, connect_id: ConnectId, error: Option<String>) {
+        let Some(resume) = self.resume.as_deref_mut() else {
+            return;
+        };
+        let inbound = &mut self.inbound;
+        let outbound = &self.outbound;
+        let close = || Frame::CloseResponse {
+            connect_id,
+            error: error.clone(),
+        };
+        loop {
+            let frame = tokio::select! {
+                frame = inbound.next_frame() => frame,
+                // As in the relay: matched in full, `Restarted` ignored.
+                Some(takeover) = resume.ticket.attachments.recv() => {
+                    if let Takeover::Resume(attachment) = takeover
+                        && let Some(packets) = resume.attach(connect_id, attachment)
+                    {
+                        inbound.resumed(packets);
+                        let _ = outbound.send(close()).await;
+                    }
+                    continue;
+                }
+            };
+            match frame {
+                Some(Frame::WindowUpdate { bytes, written, .. }) => {
+                    let _ = resume.window.grant(bytes, written);
+                }
+                // Late packets of a connection that has ended.
+                Some(_) => {}
+                None if inbound.failure.is_none() => return,
+                None => match Box::pin(resume.wait_for_resume(connect_id)).await {
+                    Some(packets) => {
+                        inbound.resumed(packets);
+                        let _ = outbound.send(close()).await;
+                    }
+                    None => return,
+                },
+            }
         }
     }
 
