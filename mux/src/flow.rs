@@ -151,6 +151,30 @@ impl SendWindow {
             .collect())
     }
 
+    /// With resume: where the sending side stands, to hand to another
+    /// process: the bytes the peer has written out, and the packets sent
+    /// after them (shared buffers, not copies).
+    pub fn position(&self) -> Option<(u64, Vec<Bytes>)> {
+        self.replay().map(|replay| {
+            let replay = lock(replay);
+            (replay.acknowledged(), replay.unacknowledged_packets())
+        })
+    }
+
+    /// A resumable window continuing a [`SendWindow::position`] another
+    /// process handed over, with the credit those packets left (their cost
+    /// comes back as the peer acknowledges them, as it would have there).
+    pub fn restored(acknowledged: u64, packets: Vec<Bytes>) -> SendWindow {
+        let outstanding: usize = packets
+            .iter()
+            .map(|data| cost(data.len()).min(WINDOW) as usize)
+            .sum();
+        SendWindow(Some(Arc::new(SendState {
+            credit: Semaphore::new((WINDOW as usize).saturating_sub(outstanding)),
+            replay: Some(Mutex::new(Replay::restore(acknowledged, packets))),
+        })))
+    }
+
     /// With resume: bytes sent and not yet written out by the peer.
     pub fn unacknowledged(&self) -> u64 {
         self.replay()
@@ -198,6 +222,15 @@ pub fn receive_window(extensions: Extensions) -> (ReceiveGate, ReceiveCredit) {
             unreported: 0,
         },
     )
+}
+
+/// A resumable receiving window that continues one another process kept,
+/// which had written out `written` bytes (a hand-over): the peer is told
+/// that count when the connection resumes, and sends again what follows.
+pub fn receive_window_from(written: u64) -> (ReceiveGate, ReceiveCredit) {
+    let (gate, credit) = receive_window(Extensions::Resume);
+    gate.shared.written.store(written, Ordering::Release);
+    (gate, credit)
 }
 
 /// What the gate and the consumer share.

@@ -71,6 +71,33 @@ impl Replay {
         self.next
     }
 
+    /// A replay that continues one another process kept (a hand-over,
+    /// docs/handover.md): the peer has written out `acknowledged` bytes,
+    /// and `packets` were sent after them and not yet acknowledged. Packet
+    /// boundaries are kept: the peer acknowledges whole packets.
+    pub fn restore(acknowledged: u64, packets: Vec<Bytes>) -> Replay {
+        let mut replay = Replay {
+            next: acknowledged,
+            acknowledged,
+            unacknowledged: VecDeque::new(),
+        };
+        for data in &packets {
+            replay.record(data);
+        }
+        replay
+    }
+
+    /// What the peer has written out so far.
+    pub fn acknowledged(&self) -> u64 {
+        self.acknowledged
+    }
+
+    /// The packets sent and not yet acknowledged, in order (references to
+    /// their buffers).
+    pub fn unacknowledged_packets(&self) -> Vec<Bytes> {
+        self.unacknowledged.iter().map(|sent| sent.data.clone()).collect()
+    }
+
     /// Bytes sent and not yet acknowledged.
     pub fn unacknowledged_bytes(&self) -> u64 {
         self.next - self.acknowledged
@@ -260,6 +287,31 @@ mod tests {
         );
         // A refused position changed nothing.
         assert_eq!(replay.since(100).unwrap().len(), 1);
+    }
+
+    /// A replay handed to another process continues exactly: the same
+    /// offsets, the same packet boundaries, the same acknowledgements.
+    #[test]
+    fn a_restored_replay_continues_where_the_first_one_stood() {
+        let mut first = Replay::default();
+        first.record(&packet(100, 1));
+        first.record(&packet(50, 2));
+        first.record(&packet(10, 3));
+        first.acknowledge(100, cost).unwrap();
+        let mut restored = Replay::restore(first.acknowledged(), first.unacknowledged_packets());
+        assert_eq!(restored.sent(), 160);
+        assert_eq!(restored.unacknowledged_bytes(), 60);
+        assert_eq!(restored.since(100).unwrap(), first.since(100).unwrap());
+        assert_eq!(
+            restored.since(120),
+            Err(OffsetError::InsidePacket {
+                claimed: 120,
+                packet_offset: 100
+            })
+        );
+        assert_eq!(restored.record(&packet(5, 4)), 160);
+        assert_eq!(restored.acknowledge(150, cost), Ok(cost(50)));
+        assert_eq!(restored.since(150).unwrap().len(), 2);
     }
 
     #[test]

@@ -13,6 +13,12 @@
 //! one takes the lock. No listener ever closes, so nothing queued on one is
 //! lost, and at every moment some agent accepts.
 //!
+//! A successor that asks for them (`connections` in its hello) then gets
+//! every established captured connection it can resume: each one's socket
+//! with its state (`connection`, then the bytes the state counts, in raw
+//! packets), before `released`. An agent of an earlier version ignores the
+//! request and sends none: those connections drain with it, as before.
+//!
 //! The ownership lock (`PATH.lock`, flock) is what makes an agent the owner
 //! of the rules: only its holder may remove them, and an agent that starts
 //! with no predecessor answering takes it before it touches anything.
@@ -26,6 +32,7 @@ use konnectivity_plumbing::sys::{recv_with_fds, send_with_fds};
 use serde::{Deserialize, Serialize};
 use socket2::{Domain, SockAddr, Socket, Type};
 
+use crate::capture::handoff::{ConnectionState, HandedConnection};
 use crate::pods::state::PodState;
 
 /// The protocol's version; a predecessor that speaks another refuses.
@@ -35,6 +42,8 @@ const VERSION: u32 = 1;
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest packet (a pod's record is a few hundred bytes).
 const MAX_PACKET: usize = 64 * 1024;
+/// The largest raw packet of a connection's bytes.
+const MAX_DATA_PACKET: usize = 60 * 1024;
 /// How long an agent waits for the ownership lock.
 const LOCK_WAIT: Duration = Duration::from_secs(10);
 
@@ -71,8 +80,13 @@ pub enum Role {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 enum Packet {
-    /// Successor: hand over, please.
-    Hello { version: u32 },
+    /// Successor: hand over, please; with `connections`, the established
+    /// connections too (absent from an earlier version's hello).
+    Hello {
+        version: u32,
+        #[serde(default)]
+        connections: bool,
+    },
     /// Predecessor: one listening socket (one descriptor).
     Socket { role: Role },
     /// Predecessor: a captured pod (descriptors: its namespace, then each
@@ -82,6 +96,11 @@ enum Packet {
     End { ruleset: String },
     /// Successor: I accept on all of it now.
     Taken,
+    /// Predecessor, after `taken`: an established connection (one
+    /// descriptor, its socket), followed by raw packets carrying the
+    /// lengths of its `packets` unacknowledged packets (4 bytes each, little
+    /// endian), then the bytes its state counts.
+    Connection { state: ConnectionState, packets: usize },
     /// Predecessor: I stopped accepting and gave up the lock.
     Released,
     /// Either: no hand-over, and why.
@@ -211,14 +230,19 @@ impl Predecessor {
         }
     }
 
-    /// Asks for everything and receives it. The predecessor keeps serving
+    /// Asks for everything (with `connections`, the established
+    /// connections too) and receives it. The predecessor keeps serving
     /// until [`Inheritance::confirm`].
-    pub fn receive(self) -> Result<Inheritance, HandoverError> {
+    pub fn receive(self, connections: bool) -> Result<Inheritance, HandoverError> {
         let channel = self.channel;
         channel
             .set_read_timeout(Some(EXCHANGE_TIMEOUT))
             .map_err(exchange)?;
-        send(&channel, &Packet::Hello { version: VERSION }, &[]).map_err(exchange)?;
+        let hello = Packet::Hello {
+            version: VERSION,
+            connections,
+        };
+        send(&channel, &hello, &[]).map_err(exchange)?;
         let mut inheritance = Inheritance {
             sockets: Vec::new(),
             pods: Vec::new(),
@@ -283,12 +307,49 @@ impl Inheritance {
     }
 
     /// Says that this agent accepts on everything now, and waits until the
-    /// predecessor has stopped and let the lock go.
-    pub fn confirm(self) -> Result<(), HandoverError> {
-        send(&self.channel, &Packet::Taken, &[]).map_err(exchange)?;
-        match receive(&self.channel)? {
-            (Packet::Released, _) => Ok(()),
-            (other, _) => Err(exchange(format!("expected released, got {other:?}"))),
+    /// predecessor has stopped and let the lock go; the established
+    /// connections it handed over meanwhile. On an error, the connections
+    /// received so far are in it.
+    pub fn confirm(self) -> Result<Vec<HandedConnection>, (HandoverError, Vec<HandedConnection>)> {
+        let mut connections = Vec::new();
+        if let Err(error) = send(&self.channel, &Packet::Taken, &[]) {
+            return Err((exchange(error), connections));
+        }
+        loop {
+            let next = match receive(&self.channel) {
+                Ok(next) => next,
+                Err(error) => return Err((error, connections)),
+            };
+            match next {
+                (Packet::Released, _) => return Ok(connections),
+                (Packet::Connection { mut state, packets }, mut fds) if fds.len() == 1 => {
+                    let socket = fds.remove(0);
+                    let received = receive_lengths(&self.channel, packets).and_then(|lengths| {
+                        state.unacknowledged = lengths;
+                        receive_raw(&self.channel, state.data_len())
+                    });
+                    match received {
+                        Ok(data) => connections.push(HandedConnection {
+                            state,
+                            data: data.into(),
+                            socket,
+                        }),
+                        Err(error) => {
+                            reset(&socket);
+                            return Err((error, connections));
+                        }
+                    }
+                }
+                (other, fds) => {
+                    return Err((
+                        exchange(format!(
+                            "expected a connection or released, got {other:?} with {} descriptors",
+                            fds.len()
+                        )),
+                        connections,
+                    ));
+                }
+            }
         }
     }
 }
@@ -312,6 +373,13 @@ pub trait Handing: Send + Sync {
     /// The successor accepts on everything: stop accepting and give up the
     /// ownership lock.
     fn hand_over(&self);
+    /// After [`Handing::hand_over`], for a successor that asked: the
+    /// established connections to give it, each stopped for it.
+    fn connections(&self) -> Vec<HandedConnection> {
+        Vec::new()
+    }
+    /// Said once, after the connections went (or failed to: `sent` of them).
+    fn connections_sent(&self, _sent: usize, _of: usize) {}
 }
 
 /// Answers hand-over requests on `listener`, one at a time, until one
@@ -347,16 +415,25 @@ fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverErro
     channel
         .set_read_timeout(Some(EXCHANGE_TIMEOUT))
         .map_err(exchange)?;
-    match hello {
-        (Packet::Hello { version: VERSION }, _) => {}
-        (Packet::Hello { version }, _) => {
+    channel
+        .set_write_timeout(Some(EXCHANGE_TIMEOUT))
+        .map_err(exchange)?;
+    let connections = match hello {
+        (
+            Packet::Hello {
+                version: VERSION,
+                connections,
+            },
+            _,
+        ) => connections,
+        (Packet::Hello { version, .. }, _) => {
             return Err(refuse(
                 channel,
                 format!("this agent speaks hand-over version {VERSION}, not {version}"),
             ));
         }
         (other, _) => return Err(exchange(format!("expected hello, got {other:?}"))),
-    }
+    };
     let snapshot = role.pause().map_err(|reason| refuse(channel, reason))?;
     let sent = send_snapshot(channel, snapshot).and_then(|()| match receive(channel)? {
         (Packet::Taken, _) => Ok(()),
@@ -367,10 +444,104 @@ fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverErro
         return Err(error);
     }
     role.hand_over();
+    if connections {
+        let handed = role.connections();
+        let of = handed.len();
+        let sent = send_connections(channel, handed);
+        role.connections_sent(sent, of);
+    }
     // Said once everything stopped and the lock is free; if the successor
     // is gone by now, it has the sockets and the lock is free all the same.
     let _ = send(channel, &Packet::Released, &[]);
     Ok(())
+}
+
+/// Sends each connection and its bytes; how many went. A connection that
+/// could not go is reset: its client sees a failure, not a clean end that
+/// would pass for the whole answer.
+fn send_connections(channel: &Socket, connections: Vec<HandedConnection>) -> usize {
+    let mut sent = 0;
+    let mut failed = false;
+    for connection in connections {
+        if !failed {
+            match send_connection(channel, &connection) {
+                Ok(()) => {
+                    sent += 1;
+                    continue;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "handing established connections over failed; the rest are reset");
+                    failed = true;
+                }
+            }
+        }
+        reset(&connection.socket);
+    }
+    sent
+}
+
+fn send_connection(channel: &Socket, connection: &HandedConnection) -> std::io::Result<()> {
+    let state = &connection.state;
+    let packet = Packet::Connection {
+        state: state.clone(),
+        packets: state.unacknowledged.len(),
+    };
+    send(channel, &packet, std::slice::from_ref(&connection.socket))?;
+    let lengths: Vec<u8> = state
+        .unacknowledged
+        .iter()
+        .flat_map(|len| (*len as u32).to_le_bytes())
+        .collect();
+    send_raw(channel, &lengths)?;
+    send_raw(channel, &connection.data)
+}
+
+/// `bytes` in raw packets of at most [`MAX_DATA_PACKET`].
+fn send_raw(channel: &Socket, bytes: &[u8]) -> std::io::Result<()> {
+    for piece in bytes.chunks(MAX_DATA_PACKET) {
+        send_with_fds(channel.as_fd(), piece, &[])?;
+    }
+    Ok(())
+}
+
+/// Receives `len` bytes sent by [`send_raw`], into one buffer.
+fn receive_raw(channel: &Socket, len: usize) -> Result<Vec<u8>, HandoverError> {
+    let mut data = vec![0u8; len];
+    let mut filled = 0;
+    while filled < len {
+        let end = len.min(filled + MAX_DATA_PACKET);
+        let (length, fds) = recv_with_fds(channel.as_fd(), &mut data[filled..end]).map_err(exchange)?;
+        if length == 0 || !fds.is_empty() {
+            return Err(exchange(format!(
+                "a connection's bytes: a packet of {length} with {} to come",
+                len - filled
+            )));
+        }
+        filled += length;
+    }
+    Ok(data)
+}
+
+/// Receives the lengths of `count` packets.
+fn receive_lengths(channel: &Socket, count: usize) -> Result<Vec<usize>, HandoverError> {
+    // At most a window of packets: each costs at least flow control's
+    // per-packet cost.
+    let most = (konnectivity_mux::flow::WINDOW / konnectivity_mux::flow::PACKET_COST) as usize;
+    if count > most {
+        return Err(exchange(format!(
+            "a connection with {count} packets unacknowledged"
+        )));
+    }
+    let raw = receive_raw(channel, 4 * count)?;
+    Ok(raw
+        .chunks_exact(4)
+        .map(|length| u32::from_le_bytes(length.try_into().expect("four bytes")) as usize)
+        .collect())
+}
+
+/// Ends a connection with a reset when its descriptor closes.
+fn reset(socket: &OwnedFd) {
+    let _ = socket2::SockRef::from(socket).set_linger(Some(Duration::ZERO));
 }
 
 /// Tells the successor there is no hand-over, and why; the error to log.
@@ -423,17 +594,39 @@ mod tests {
         }
     }
 
-    /// A role that serves one TCP listener and records what happened.
+    /// A role that serves one TCP listener and one established connection,
+    /// and records what happened.
     struct Fake {
         listener: std::net::TcpListener,
-        events: Mutex<Vec<&'static str>>,
+        /// The established connection's client end, and this agent's.
+        client: Mutex<Option<std::net::TcpStream>>,
+        established: Mutex<Option<std::net::TcpStream>>,
+        events: Mutex<Vec<String>>,
+    }
+
+    fn established_state() -> ConnectionState {
+        ConnectionState {
+            connect_id: 9,
+            token: "0123@server".to_owned(),
+            target: "10.222.1.10:6443".to_owned(),
+            acknowledged: 1_000,
+            unacknowledged: vec![70_000, 1],
+            unsent: 29_999,
+            written: 2_000,
+            close_requested: false,
+        }
+    }
+
+    /// More than one raw packet's worth.
+    fn established_bytes() -> Vec<u8> {
+        (0..100_000u32).map(|i| (i % 251) as u8).collect()
     }
 
     impl Handing for Fake {
         fn successor_waiting(&self, _: bool) {}
 
         fn pause(&self) -> Result<Snapshot, String> {
-            self.events.lock().unwrap().push("pause");
+            self.events.lock().unwrap().push("pause".to_owned());
             Ok(Snapshot {
                 sockets: vec![(Role::Capture, self.listener.as_fd().try_clone_to_owned().unwrap())],
                 pods: Vec::new(),
@@ -441,16 +634,36 @@ mod tests {
             })
         }
         fn resume(&self) {
-            self.events.lock().unwrap().push("resume");
+            self.events.lock().unwrap().push("resume".to_owned());
         }
         fn hand_over(&self) {
-            self.events.lock().unwrap().push("hand_over");
+            self.events.lock().unwrap().push("hand_over".to_owned());
+        }
+        fn connections(&self) -> Vec<HandedConnection> {
+            self.events.lock().unwrap().push("connections".to_owned());
+            let Some(established) = self.established.lock().unwrap().take() else {
+                return Vec::new();
+            };
+            let bytes = established_bytes();
+            vec![HandedConnection {
+                state: established_state(),
+                data: bytes.into(),
+                socket: established.into(),
+            }]
+        }
+        fn connections_sent(&self, sent: usize, of: usize) {
+            self.events.lock().unwrap().push(format!("sent {sent} of {of}"));
         }
     }
 
     fn fake() -> Fake {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (established, _) = listener.accept().unwrap();
         Fake {
-            listener: std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+            listener,
+            client: Mutex::new(Some(client)),
+            established: Mutex::new(Some(established)),
             events: Mutex::new(Vec::new()),
         }
     }
@@ -471,14 +684,38 @@ mod tests {
         let mut inheritance = Predecessor::find(&path)
             .unwrap()
             .expect("an agent answers")
-            .receive()
+            .receive(true)
             .unwrap();
         assert_eq!(inheritance.ruleset, "rules");
         let capture = inheritance.take(Role::Capture);
         assert_eq!(capture.len(), 1);
-        inheritance.confirm().unwrap();
+        let connections = inheritance.confirm().unwrap();
         server.join().unwrap();
-        assert_eq!(*old.events.lock().unwrap(), ["pause", "hand_over"]);
+        assert_eq!(
+            *old.events.lock().unwrap(),
+            ["pause", "hand_over", "connections", "sent 1 of 1"]
+        );
+        // The established connection came with its state and every byte, in
+        // the packets its state says.
+        let [connection] = <[HandedConnection; 1]>::try_from(connections).unwrap();
+        assert_eq!(connection.state, established_state());
+        let (packets, unsent) = connection.packets().unwrap();
+        assert_eq!(packets.len(), 2);
+        assert_eq!(packets[0][..], established_bytes()[..70_000]);
+        assert_eq!(packets[1][..], established_bytes()[70_000..70_001]);
+        assert_eq!(unsent.unwrap()[..], established_bytes()[70_001..]);
+        // Its socket is the client's connection.
+        let mut socket = std::net::TcpStream::from(connection.socket);
+        socket.write_all(b"from the successor").unwrap();
+        let mut text = [0u8; 18];
+        old.client
+            .lock()
+            .unwrap()
+            .as_mut()
+            .unwrap()
+            .read_exact(&mut text)
+            .unwrap();
+        assert_eq!(&text, b"from the successor");
         // The old process closes its copy; the socket lives on in ours.
         drop(old);
         let taken = std::net::TcpListener::from(capture.into_iter().next().unwrap());
@@ -497,17 +734,19 @@ mod tests {
         let serving = old.clone();
         let server = std::thread::spawn(move || serve(&listener, &*serving));
         // Receives everything, then dies without saying `taken`.
-        let inheritance = Predecessor::find(&path).unwrap().unwrap().receive().unwrap();
+        let inheritance = Predecessor::find(&path).unwrap().unwrap().receive(true).unwrap();
         drop(inheritance);
         let deadline = Instant::now() + Duration::from_secs(5);
         while old.events.lock().unwrap().len() < 2 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(*old.events.lock().unwrap(), ["pause", "resume"]);
-        // And a later successor is served.
-        let mut inheritance = Predecessor::find(&path).unwrap().unwrap().receive().unwrap();
+        // And a later successor is served; one that does not ask for the
+        // established connections (an earlier version) gets none, and they
+        // stay with this agent.
+        let mut inheritance = Predecessor::find(&path).unwrap().unwrap().receive(false).unwrap();
         assert_eq!(inheritance.take(Role::Capture).len(), 1);
-        inheritance.confirm().unwrap();
+        assert!(inheritance.confirm().unwrap().is_empty());
         server.join().unwrap();
         assert_eq!(
             *old.events.lock().unwrap(),

@@ -25,6 +25,8 @@ pub struct NodeMetrics {
     /// Whether the node tunnel answers its probes.
     pub node_tunnel_up: Gauge,
     captured: Family<Labels, GoCounter>,
+    handover: Family<Labels, GoCounter>,
+    taken_over: Family<Labels, GoCounter>,
     /// Captured connections carried over to a new stream of the node
     /// tunnel: the agent's resume counters, shared with its agent streams.
     pub resumes: Resumes,
@@ -55,7 +57,42 @@ impl NodeMetrics {
             "Captured node connections, by outcome.",
             metrics.captured.clone(),
         );
+        register(
+            registry,
+            "captured_connections_handover_total",
+            "Established captured connections at hand-overs to a newer agent, by outcome: handed_over, not_sent (the exchange failed; reset), not_resumable and busy (kept by this agent until they end).",
+            metrics.handover.clone(),
+        );
+        register(
+            registry,
+            "captured_connections_taken_over_total",
+            "Established captured connections taken over from the previous agent, by outcome: resumed, failed (reset).",
+            metrics.taken_over.clone(),
+        );
         metrics
+    }
+
+    /// A hand-over to a newer agent: what became of the connections.
+    pub fn handed_over(&self, sent: usize, not_sent: usize, not_resumable: usize, busy: usize) {
+        for (outcome, count) in [
+            ("handed_over", sent),
+            ("not_sent", not_sent),
+            ("not_resumable", not_resumable),
+            ("busy", busy),
+        ] {
+            self.handover
+                .get_or_create(&vec![("outcome", outcome)])
+                .inc_by(count as u64);
+        }
+    }
+
+    /// Connections taken over from the previous agent.
+    pub fn taken_over(&self, resumed: usize, failed: usize) {
+        for (outcome, count) in [("resumed", resumed), ("failed", failed)] {
+            self.taken_over
+                .get_or_create(&vec![("outcome", outcome)])
+                .inc_by(count as u64);
+        }
     }
 
     pub fn captured(&self, outcome: CaptureOutcome) {

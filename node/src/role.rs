@@ -79,6 +79,7 @@ pub async fn run(
         tunnel: tunnel_rx,
         metrics: metrics.clone(),
         resume_timeout: settings.resume_timeout,
+        handoff: crate::capture::handoff::HandOff::new(),
     });
     let mut background = tokio::task::JoinSet::new();
     // The tunnel first: an agent taking over must carry what it takes, and
@@ -160,7 +161,9 @@ async fn take_over(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let mut inheritance = tokio::task::spawn_blocking(move || predecessor.receive())
+    // Established connections too, when this agent can resume them.
+    let connections = !settings.resume_timeout.is_zero();
+    let mut inheritance = tokio::task::spawn_blocking(move || predecessor.receive(connections))
         .await
         .expect("hand-over task does not panic")?;
     let missing = |what: &str| {
@@ -237,19 +240,25 @@ async fn take_over(
         health,
         (health_listener, admin_listener),
         capture,
-        context,
+        context.clone(),
         cni,
         Some(handover_listener),
         ruleset.clone(),
         readiness,
     );
-    // Both agents accept now; the predecessor stops once told.
-    if let Err(error) = tokio::task::spawn_blocking(move || inheritance.confirm())
+    // Both agents accept now; the predecessor stops once told, and hands
+    // its established connections over.
+    let connections = match tokio::task::spawn_blocking(move || inheritance.confirm())
         .await
         .expect("hand-over task does not panic")
     {
-        tracing::warn!(%error, "the previous agent did not confirm the hand-over; taking the ownership lock regardless");
-    }
+        Ok(connections) => connections,
+        Err((error, connections)) => {
+            tracing::warn!(%error, "the previous agent did not confirm the hand-over; taking the ownership lock regardless");
+            connections
+        }
+    };
+    continue_connections(connections, &context).await;
     let ownership = tokio::task::spawn_blocking(move || handover::Ownership::take(&handover_socket))
         .await
         .expect("hand-over task does not panic")?;
@@ -375,6 +384,68 @@ async fn start_afresh(
     Ok(role)
 }
 
+/// How long a successor waits for the connections it took over to resume
+/// before it says it holds the role (each takes one round trip to the
+/// server; a resume that fails gives up within --resume-timeout).
+const TAKEN_OVER_WAIT: Duration = Duration::from_secs(10);
+
+/// Carries on the established connections the previous agent handed over,
+/// and waits until their streams resumed (or failed to): the previous agent
+/// exits once this one is ready, and its streams must not be the
+/// connections' last by then. One log line with the counts.
+async fn continue_connections(
+    connections: Vec<crate::capture::handoff::HandedConnection>,
+    context: &Arc<CaptureContext>,
+) {
+    if connections.is_empty() {
+        return;
+    }
+    let started = tokio::time::Instant::now();
+    let taken = connections.len();
+    let mut reports = Vec::with_capacity(taken);
+    for connection in connections {
+        let (told, report) = tokio::sync::oneshot::channel();
+        tokio::spawn(listener::continue_handed(connection, context.clone(), told));
+        reports.push(report);
+    }
+    let (mut resumed, mut failed, mut first_failure) = (0, 0, None);
+    let deadline = started + TAKEN_OVER_WAIT;
+    for report in reports {
+        match tokio::time::timeout_at(deadline, report).await {
+            Ok(Ok(Ok(()))) => resumed += 1,
+            Ok(Ok(Err(error))) => {
+                failed += 1;
+                first_failure.get_or_insert(error);
+            }
+            Ok(Err(_)) => {
+                failed += 1;
+                first_failure
+                    .get_or_insert_with(|| "the connection ended before its stream resumed".to_owned());
+            }
+            Err(_) => {
+                failed += 1;
+                first_failure.get_or_insert_with(|| format!("not resumed within {TAKEN_OVER_WAIT:?}"));
+            }
+        }
+    }
+    context.metrics.taken_over(resumed, failed);
+    match first_failure {
+        None => tracing::info!(
+            connections = taken,
+            took = ?started.elapsed(),
+            "established connections taken over from the previous agent, every one resumed"
+        ),
+        Some(first_failure) => tracing::warn!(
+            connections = taken,
+            resumed,
+            failed,
+            %first_failure,
+            took = ?started.elapsed(),
+            "established connections taken over from the previous agent, some not resumed (reset)"
+        ),
+    }
+}
+
 fn captures_ipv6(settings: &NodeSettings) -> bool {
     settings
         .captures
@@ -408,6 +479,10 @@ struct NodeRole {
     capture: Vec<Serving<TcpListener>>,
     cni: Option<std::sync::Mutex<Serving<UnixListener>>>,
     pods: Option<Arc<Pods>>,
+    /// The established connections, handed over with the rest.
+    context: Arc<CaptureContext>,
+    /// What the last collection left here: not resumable, busy.
+    kept: std::sync::Mutex<(usize, usize)>,
     handover: Option<socket2::Socket>,
     ruleset: String,
     /// Held while this agent owns the rules.
@@ -443,6 +518,7 @@ impl NodeRole {
         let health = Serving::start(health_listener, |listener| {
             konnectivity_telemetry::http::serve(listener, endpoints)
         });
+        let capture_context = context.clone();
         let capture = capture
             .into_iter()
             .map(|listener| {
@@ -467,6 +543,8 @@ impl NodeRole {
             capture,
             cni,
             pods,
+            context: capture_context,
+            kept: std::sync::Mutex::new((0, 0)),
             handover,
             ruleset,
             ownership: std::sync::Mutex::new(None),
@@ -547,4 +625,29 @@ impl handover::Handing for NodeRole {
         self.held.lock().expect("held lock").take();
         self.readiness.set_handed_over();
     }
+
+    fn connections(&self) -> Vec<crate::capture::handoff::HandedConnection> {
+        let collected = self.context.handoff.collect(COLLECT_WAIT);
+        *self.kept.lock().expect("kept lock") = (collected.not_resumable, collected.busy);
+        collected.connections
+    }
+
+    fn connections_sent(&self, sent: usize, of: usize) {
+        let (not_resumable, busy) = *self.kept.lock().expect("kept lock");
+        self.context
+            .metrics
+            .handed_over(sent, of - sent, not_resumable, busy);
+        tracing::info!(
+            handed_over = sent,
+            not_sent = of - sent,
+            not_resumable,
+            busy,
+            "established connections handed to the newer agent; the rest stay here until they end or --drain-timeout \
+             (not resumable: the server offered no resume or --resume-timeout=0; busy: did not stop within 1 s, \
+             a client not reading or a stream being resumed)"
+        );
+    }
 }
+
+/// How long a hand-over waits for the established connections to stop.
+const COLLECT_WAIT: Duration = Duration::from_secs(1);

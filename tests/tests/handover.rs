@@ -10,13 +10,17 @@
 //! (SIGKILL, and a new agent started).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crate::support::containerd::{Pod, containerd_or_skip};
 use crate::support::cri_node::Node;
 use crate::support::kas::*;
 use crate::support::load::{Attempt, Load, Target, failures};
+use crate::support::netns::root_or_skip;
 use crate::support::procs::Proc;
+use crate::support::targets;
 use crate::support::wait_until;
 
 const REPLACEMENTS: usize = 5;
@@ -54,10 +58,11 @@ fn descriptors(pid: u32) -> Vec<String> {
     fds
 }
 
-/// The node agents of `node` running: those given its hand-over socket
-/// (other tests' node agents run on this machine too).
-fn node_agents(node: &Node) -> Vec<u32> {
-    let flag = format!("--handover-socket={}", node.dir().join("handover.sock").display());
+/// The node agents of the test whose directory is `dir` running: those
+/// given its hand-over socket (other tests' node agents run on this machine
+/// too).
+fn node_agents(dir: &Path) -> Vec<u32> {
+    let flag = format!("--handover-socket={}", dir.join("handover.sock").display());
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
@@ -100,7 +105,7 @@ async fn assert_one_agent_and_one_set_of_rules(node: &Node, pods: &[Pod]) {
     wait_until(
         Duration::from_secs(40),
         "exactly one node agent to remain",
-        || async { node_agents(node).len() == 1 },
+        || async { node_agents(node.dir()).len() == 1 },
     )
     .await;
     assert_eq!(tables(&node_netns(node)), 1, "one table on the node");
@@ -484,4 +489,249 @@ async fn a_new_agent_that_cannot_reach_the_server_never_takes_over() {
     .await;
     let version = topology.version_through_vip();
     assert!(version.status.success(), "{}", text(&version));
+}
+
+/// A long-lived connection through the node agent: numbered lines through
+/// the echo target, one every 10 ms, each read back before the next (as
+/// `kubectl logs -f` or a watch would see them: every line once, in order).
+/// Runs until `stop`; how many lines went through, or what broke.
+async fn numbered_lines(mut stream: tokio::net::TcpStream, stop: Arc<AtomicBool>) -> Result<u64, String> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    stream
+        .write_all(&targets::header(b'E', 0, 0))
+        .await
+        .map_err(|e| e.to_string())?;
+    let (read, mut write) = stream.into_split();
+    let mut lines = BufReader::new(read).lines();
+    let mut sent = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        write
+            .write_all(format!("line {sent}\n").as_bytes())
+            .await
+            .map_err(|e| format!("writing line {sent}: {e}"))?;
+        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .map_err(|_| format!("line {sent} did not come back within 10 s"))?
+            .map_err(|e| format!("reading line {sent}: {e}"))?
+            .ok_or_else(|| format!("the connection ended at line {sent}"))?;
+        if line != format!("line {sent}") {
+            return Err(format!(
+                "line {sent} came back as {line:?}: a line missing, doubled or out of order"
+            ));
+        }
+        sent += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(sent)
+}
+
+/// Downloads `len` pattern bytes, read at most `per_second` bytes a second
+/// so that the transfer spans the replacements; their SHA-256.
+async fn slow_download(
+    mut stream: tokio::net::TcpStream,
+    len: u64,
+    seed: u64,
+    per_second: u64,
+) -> Result<[u8; 32], String> {
+    use sha2::Digest;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(&targets::header(b'G', len, seed))
+        .await
+        .map_err(|e| e.to_string())?;
+    let began = std::time::Instant::now();
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut received = 0u64;
+    while received < len {
+        let want = (len - received).min(buf.len() as u64) as usize;
+        let n = stream
+            .read(&mut buf[..want])
+            .await
+            .map_err(|e| format!("after {received} bytes: {e}"))?;
+        if n == 0 {
+            return Err(format!("the download ended after {received} of {len} bytes"));
+        }
+        hasher.update(&buf[..n]);
+        received += n as u64;
+        let due = Duration::from_secs_f64(received as f64 / per_second as f64);
+        if let Some(ahead) = due.checked_sub(began.elapsed()) {
+            tokio::time::sleep(ahead).await;
+        }
+    }
+    Ok(hasher.finalize().into())
+}
+
+/// The agent's live heap (bytes allocated and not freed).
+const HEAP: &str = "konnectivity_network_proxy_agent_runtime_heap_bytes";
+
+/// A process's resident memory, KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Five rolling replacements of the node agent (the successor starts beside
+/// it, takes the role over, and the old one gets SIGTERM once the new one is
+/// ready), with `--drain-timeout=5s` so that no connection can outlive a
+/// replacement by draining, under load: 100 new connections a second through
+/// the `kubernetes` VIP (TLS and a request), 20 long-lived connections each
+/// carrying a numbered line every 10 ms, and a 1 GiB download. Each old
+/// agent hands its established connections to its successor, which resumes
+/// them at the server: no new connection fails, no long-lived one breaks,
+/// no line goes missing or doubled, the download's SHA-256 is intact; each
+/// old agent exits at its SIGTERM without draining anything, one agent runs
+/// after each replacement, and the last one holds about the descriptors
+/// and memory the first one held. Without the hand-over of established
+/// connections, the first old agent's exit ends every long-lived one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_replacements_hand_established_connections_over() {
+    if !root_or_skip("rolling_replacements_hand_established_connections_over") {
+        return;
+    }
+    const LONG_LIVED: usize = 20;
+    const DOWNLOAD: u64 = 1 << 30;
+    // About 25 s of transfer: it spans all five replacements.
+    const DOWNLOAD_RATE: u64 = 40 << 20;
+    let topology = build(false).await;
+    let streams = targets::blob_on(
+        tokio::net::TcpListener::from_std(topology.control_plane.bind_tcp(STREAMS)).unwrap(),
+    )
+    .await;
+    let args = ["--drain-timeout=5s".to_owned(), STREAMS_CAPTURE.to_owned()];
+    let mut agent = topology.start_node_agent(&args);
+    topology.wait_node_ready().await;
+    let dir = topology.dir.path().to_owned();
+
+    let load = Load::start(Target {
+        netns: Path::new("/var/run/netns").join(&topology.node.name),
+        addr: format!("{VIP}:443").parse().unwrap(),
+        server_name: VIP.to_owned(),
+        tls: topology.pki.client_tls(None, &[]),
+        expect: VERSION_BODY.to_owned(),
+        per_second: RATE,
+        limit: Duration::from_secs(180),
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut long_lived = Vec::new();
+    for _ in 0..LONG_LIVED {
+        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+        long_lived.push(tokio::spawn(numbered_lines(stream, stop.clone())));
+    }
+    let download = tokio::spawn(slow_download(
+        topology.node.connect_tcp(STREAMS_VIP).unwrap(),
+        DOWNLOAD,
+        7,
+        DOWNLOAD_RATE,
+    ));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let first_fds = descriptors(agent.pid()).len();
+    let first_rss = rss_kib(agent.pid());
+    let first_heap = topology.node.metric(NODE_AGENT_HEALTH, HEAP).unwrap();
+
+    let mut handed = Vec::new();
+    for n in 0..REPLACEMENTS {
+        let successor = topology.start_node_agent(&args);
+        took_over(&successor).await;
+        let log = successor.log_text();
+        assert!(
+            log.contains("established connections taken over from the previous agent, every one resumed"),
+            "replacement {n}: the new agent did not resume every connection it took over:\n{}",
+            log.lines()
+                .filter(|line| line.contains("taken over") || line.contains("resum"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        topology.wait_node_ready().await;
+        agent.signal("TERM");
+        let status = agent.wait_exit(Duration::from_secs(20)).await;
+        assert!(status.is_some(), "replacement {n}: the old agent did not exit");
+        let log = agent.log_text();
+        assert!(
+            log.contains("open connections done; exiting"),
+            "replacement {n}: the old agent had connections left to drain:\n{log}"
+        );
+        let line = log
+            .lines()
+            .find(|line| line.contains("established connections handed to the newer agent"))
+            .unwrap_or_else(|| panic!("replacement {n}: no hand-over line in\n{log}"))
+            .to_owned();
+        handed.push(line);
+        assert_eq!(node_agents(&dir).len(), 1, "replacement {n}: one agent runs");
+        agent = successor;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let last_fds = descriptors(agent.pid()).len();
+    let last_rss = rss_kib(agent.pid());
+    let last_heap = topology.node.metric(NODE_AGENT_HEALTH, HEAP).unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let mut lines = 0;
+    for (i, connection) in long_lived.into_iter().enumerate() {
+        match connection.await.unwrap() {
+            Ok(sent) => lines += sent,
+            Err(broke) => panic!(
+                "long-lived connection {i}: {broke}\nhand-overs:\n{}",
+                handed.join("\n")
+            ),
+        }
+    }
+    let digest = download
+        .await
+        .unwrap()
+        .unwrap_or_else(|broke| panic!("the download: {broke}\nhand-overs:\n{}", handed.join("\n")));
+    assert_eq!(
+        digest,
+        targets::pattern_digest(DOWNLOAD, 7),
+        "1 GiB arrived changed"
+    );
+    let attempts = load.finish();
+    report("new connections", &attempts);
+    let failed = failures(&attempts);
+    assert!(
+        failed.is_empty(),
+        "failed new connections:\n{}",
+        failed.join("\n")
+    );
+    println!("hand-overs:\n{}", handed.join("\n"));
+    println!("{lines} lines through {LONG_LIVED} long-lived connections");
+    println!(
+        "descriptors: first agent {first_fds}, last {last_fds}; live heap KiB: first {}, last {}; \
+         RSS KiB: first {first_rss}, last {last_rss}",
+        first_heap / 1024.0,
+        last_heap / 1024.0
+    );
+    for line in &handed {
+        assert!(
+            line.contains("busy=0") && line.contains("not_resumable=0") && line.contains("not_sent=0"),
+            "every established connection was handed over: {line}"
+        );
+    }
+    assert!(
+        last_fds <= first_fds + 4,
+        "descriptors: first agent {first_fds}, last {last_fds}"
+    );
+    // Both measured under the same load (the download's window, the lines,
+    // the new connections): what was handed over holds no more than the
+    // first agent held for the same connections.
+    assert!(
+        last_heap <= first_heap * 1.5 + 4.0 * 1024.0 * 1024.0,
+        "live heap: first agent {first_heap} bytes, last {last_heap}"
+    );
+    let taken = topology
+        .node
+        .metric(
+            NODE_AGENT_HEALTH,
+            "konnectivity_network_proxy_agent_captured_connections_taken_over_total{outcome=\"resumed\"}",
+        )
+        .unwrap_or(0.0);
+    assert!(
+        taken >= LONG_LIVED as f64,
+        "the last agent counts what it took over: {taken}"
+    );
+    drop(streams);
 }

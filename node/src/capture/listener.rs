@@ -9,10 +9,11 @@ use std::time::Duration;
 use konnectivity_client::Tunnel;
 use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 
+use crate::capture::handoff::{HandOff, HandedConnection};
 use crate::capture::map::{CaptureMap, OrigDst};
-use crate::capture::resumable::{self, ResumeContext};
+use crate::capture::resumable::{self, Ended, ResumeContext};
 use crate::metrics::{CaptureOutcome, NodeMetrics};
 
 /// What every captured connection needs.
@@ -24,6 +25,19 @@ pub(crate) struct CaptureContext {
     /// `--resume-timeout`: how long a connection whose stream was lost
     /// waits for a new one (zero: it is reset at once).
     pub resume_timeout: Duration,
+    /// Where established connections go when a successor takes them.
+    pub handoff: Arc<HandOff>,
+}
+
+impl CaptureContext {
+    fn resume(&self) -> ResumeContext {
+        ResumeContext {
+            tunnels: self.tunnel.clone(),
+            timeout: self.resume_timeout,
+            metrics: self.metrics.resumes.clone(),
+            handoff: self.handoff.clone(),
+        }
+    }
 }
 
 /// How long a captured connection's dial may take (the agent's own dial
@@ -87,13 +101,10 @@ async fn handle(mut connection: TcpStream, context: Arc<CaptureContext>) {
             metrics.captured(CaptureOutcome::TunnelUnavailable);
             return reset(connection);
         };
-        let resume = ResumeContext {
-            tunnels: context.tunnel.clone(),
-            timeout: context.resume_timeout,
-            metrics: metrics.resumes.clone(),
-        };
-        match resumable::dial(&tunnel, &target.to_string(), &resume, DIAL_TIMEOUT).await {
-            Ok(dialed) => resumable::relay(&mut connection, dialed, resume),
+        let resume = context.resume();
+        let target = target.to_string();
+        match resumable::dial(&tunnel, &target, &resume, DIAL_TIMEOUT).await {
+            Ok(dialed) => resumable::relay(&mut connection, dialed, &target, resume),
             Err(error) => {
                 tracing::warn!(%orig, %target, %error, "captured connection could not be tunneled");
                 metrics.captured(CaptureOutcome::DialFailed);
@@ -103,9 +114,63 @@ async fn handle(mut connection: TcpStream, context: Arc<CaptureContext>) {
     };
     metrics.captured(CaptureOutcome::Tunneled);
     let _open = GaugeGuard::new(&metrics.captured_connections_open);
-    let outcome = relay.await;
-    if let Err(error) = outcome {
-        tracing::debug!(%orig, %error, "captured connection ended with an error");
-        reset(connection);
+    match relay.await {
+        Ok(Ended::Closed) => {}
+        // The successor holds the socket now: closing this process's
+        // descriptor leaves the connection be.
+        Ok(Ended::HandedOver) => {}
+        Err(error) => {
+            tracing::debug!(%orig, %error, "captured connection ended with an error");
+            reset(connection);
+        }
     }
+}
+
+/// Carries on a connection the previous agent handed over; `taken_over`
+/// hears whether its stream resumed.
+pub(crate) async fn continue_handed(
+    handed: HandedConnection,
+    context: Arc<CaptureContext>,
+    taken_over: oneshot::Sender<Result<(), String>>,
+) {
+    let HandedConnection { state, data, socket } = handed;
+    let split = HandedConnection {
+        state: state.clone(),
+        data,
+        socket,
+    };
+    let Some((packets, unsent)) = split.packets() else {
+        let _ = taken_over.send(Err("the data handed over does not match its state".to_owned()));
+        return reset_std(split.socket);
+    };
+    let std = std::net::TcpStream::from(split.socket);
+    let mut connection = match std.set_nonblocking(true).and_then(|()| TcpStream::from_std(std)) {
+        Ok(connection) => connection,
+        Err(error) => {
+            let _ = taken_over.send(Err(format!("the socket handed over: {error}")));
+            return;
+        }
+    };
+    let target = state.target.clone();
+    let handed = match resumable::Handed::new(state, packets, unsent) {
+        Ok(handed) => handed,
+        Err(error) => {
+            let _ = taken_over.send(Err(error));
+            return reset(connection);
+        }
+    };
+    let relay = resumable::continue_handed(&mut connection, handed, taken_over, context.resume());
+    let _open = GaugeGuard::new(&context.metrics.captured_connections_open);
+    match relay.await {
+        Ok(Ended::Closed | Ended::HandedOver) => {}
+        Err(error) => {
+            tracing::debug!(%target, %error, "captured connection taken over ended with an error");
+            reset(connection);
+        }
+    }
+}
+
+/// [`reset`] for a socket not yet given to tokio.
+fn reset_std(socket: std::os::fd::OwnedFd) {
+    let _ = socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO));
 }

@@ -11,14 +11,20 @@
 //! again what the other lacks, and the captured client sees a pause. A
 //! server that does not agree (upstream's, or `--agent-resume-timeout=0`)
 //! gets the plain protocol, and a lost stream resets the connection.
+//!
+//! The same state lets a connection move to the agent that replaces this
+//! one ([`crate::capture::handoff`]): it stops between two packets, and the
+//! successor resumes its stream as after a loss ([`continue_handed`]).
 
 use std::future::Future;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::{Bytes, BytesMut};
 use konnectivity_client::{DialError, Tunnel, dial_response};
-use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
+use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window, receive_window_from};
 use konnectivity_mux::outbound::{Outbound, outbound};
 use konnectivity_mux::replay::{Arrival, arrival};
 use konnectivity_mux::{Extensions, Waited};
@@ -26,10 +32,12 @@ use konnectivity_plumbing::backoff::Backoff;
 use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN, instance_id};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
+
+use crate::capture::handoff::{ConnectionState, HandOff, HandedConnection};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tonic::Streaming;
 use tonic::metadata::AsciiMetadataValue;
 
@@ -42,6 +50,8 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// tunnel ends the pause at once: it is what the attempts wait for.
 const RETRY_AFTER: Duration = Duration::from_millis(100);
 const RETRY_CAP: Duration = Duration::from_secs(2);
+/// How long a closed connection's stream waits for the server's end.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
 /// What every resumable connection shares.
 #[derive(Clone)]
@@ -51,6 +61,16 @@ pub(crate) struct ResumeContext {
     /// `--resume-timeout`; zero asks for nothing.
     pub timeout: Duration,
     pub metrics: Resumes,
+    /// Where a connection goes when a successor takes them over.
+    pub handoff: Arc<HandOff>,
+}
+
+/// How a relayed connection ended, when nothing failed.
+pub(crate) enum Ended {
+    /// Either side closed it.
+    Closed,
+    /// It went to the agent that replaces this one: leave the socket be.
+    HandedOver,
 }
 
 /// A dialed connection and its stream.
@@ -119,17 +139,36 @@ pub(crate) async fn dial(
 /// Why a relayed connection ended other than cleanly.
 type Failure = String;
 
-/// Carries `socket` over the dialed stream until either side closes it.
-/// `Ok` when the remote end closed cleanly; an error (the socket is then
-/// reset by the caller) when it failed or could not be resumed.
+/// What a relay starts from: a dialed stream, or a connection handed over
+/// by the previous agent (no stream yet).
+struct Start {
+    connect_id: ConnectId,
+    queue: Outbound,
+    inbound: Option<Streaming<Packet>>,
+    token: Option<AsciiMetadataValue>,
+    window: SendWindow,
+    gate: ReceiveGate,
+    credit: ReceiveCredit,
+    close_requested: bool,
+    /// Read from the client and not yet sent.
+    unsent: Option<Bytes>,
+    target: String,
+    /// Told how the first resume went (a connection handed over).
+    taken_over: Option<oneshot::Sender<Result<(), Failure>>>,
+}
+
+/// Carries `socket` over the dialed stream until either side closes it, or
+/// it is handed to the agent that replaces this one. An error (the socket
+/// is then reset by the caller) when it failed or could not be resumed.
 ///
 /// Not an `async fn`: one would keep `dialed` and `context` in the task
 /// beside the state built from them, for as long as the connection lives.
-pub(crate) fn relay(
-    socket: &mut TcpStream,
+pub(crate) fn relay<'a>(
+    socket: &'a mut TcpStream,
     dialed: Dialed,
+    target: &str,
     context: ResumeContext,
-) -> impl Future<Output = Result<(), Failure>> + '_ {
+) -> impl Future<Output = Result<Ended, Failure>> + 'a {
     let Dialed {
         connect_id,
         queue,
@@ -140,9 +179,89 @@ pub(crate) fn relay(
         Some(_) => Extensions::Resume,
         None => Extensions::Upstream,
     };
-    let window = SendWindow::new(extensions);
     let (gate, credit) = receive_window(extensions);
-    let close_requested = Arc::new(AtomicBool::new(false));
+    let start = Start {
+        connect_id,
+        queue,
+        inbound: Some(inbound),
+        token,
+        window: SendWindow::new(extensions),
+        gate,
+        credit,
+        close_requested: false,
+        unsent: None,
+        target: target.to_owned(),
+        taken_over: None,
+    };
+    run(socket, start, context)
+}
+
+/// A connection the previous agent handed over, ready to carry on.
+pub(crate) struct Handed(Start);
+
+impl Handed {
+    /// Its state, checked.
+    pub(crate) fn new(
+        state: ConnectionState,
+        packets: Vec<Bytes>,
+        unsent: Option<Bytes>,
+    ) -> Result<Handed, Failure> {
+        let connect_id = ConnectId::new(state.connect_id)
+            .ok_or_else(|| format!("connectID {} is not one", state.connect_id))?;
+        let token = AsciiMetadataValue::try_from(state.token.as_str())
+            .map_err(|_| "the token handed over is unreadable".to_owned())?;
+        let (gate, credit) = receive_window_from(state.written);
+        Ok(Handed(Start {
+            connect_id,
+            queue: outbound(QUEUE),
+            inbound: None,
+            token: Some(token),
+            window: SendWindow::restored(state.acknowledged, packets),
+            gate,
+            credit,
+            close_requested: state.close_requested,
+            unsent,
+            target: state.target,
+            taken_over: None,
+        }))
+    }
+}
+
+/// Carries on a connection the previous agent handed over: its stream is
+/// resumed on this agent's node tunnel first, as after a loss, and
+/// `taken_over` hears how that went.
+pub(crate) fn continue_handed(
+    socket: &mut TcpStream,
+    handed: Handed,
+    taken_over: oneshot::Sender<Result<(), Failure>>,
+    context: ResumeContext,
+) -> impl Future<Output = Result<Ended, Failure>> + '_ {
+    let mut start = handed.0;
+    start.taken_over = Some(taken_over);
+    run(socket, start, context)
+}
+
+fn run(
+    socket: &mut TcpStream,
+    start: Start,
+    context: ResumeContext,
+) -> impl Future<Output = Result<Ended, Failure>> + '_ {
+    let Start {
+        connect_id,
+        queue,
+        inbound,
+        token,
+        window,
+        gate,
+        credit,
+        close_requested,
+        mut unsent,
+        target,
+        taken_over,
+    } = start;
+    let close_requested = Arc::new(AtomicBool::new(close_requested));
+    let handoff = context.handoff.clone();
+    let carried = handoff.carry(token.is_some());
     let mut down = Down {
         connect_id,
         queue: queue.clone(),
@@ -151,60 +270,138 @@ pub(crate) fn relay(
         window: window.clone(),
         gate,
         credit,
+        handing: handoff.signal(),
         context,
         close_requested: close_requested.clone(),
+        taken_over,
     };
     async move {
-        let (read, write) = socket.split();
-        let up = up(read, connect_id, queue.clone(), window, close_requested);
-        let outcome = tokio::select! {
-            outcome = down.run(write) => outcome,
-            // Only a queue closed ends it: the stream's side decides the rest.
-            () = up => Err("the connection's stream ended".to_owned()),
+        let outcome = {
+            let (read, write) = socket.split();
+            let up = up(
+                read,
+                connect_id,
+                queue.clone(),
+                window.clone(),
+                close_requested.clone(),
+                &mut unsent,
+            );
+            tokio::select! {
+                outcome = down.run(write) => outcome,
+                // Only a queue closed ends it: the stream's side decides the rest.
+                () = up => Err("the connection's stream ended".to_owned()),
+            }
         };
-        // Its writer sends what is queued, then ends the stream cleanly.
-        queue.close();
-        outcome
+        let outcome = match outcome {
+            Ok(Stopped::HandOver(socket)) => socket,
+            Ok(Stopped::Closed) => {
+                // Its writer sends what is queued, then ends the stream cleanly.
+                queue.close();
+                down.finish().await;
+                return Ok(Ended::Closed);
+            }
+            Err(failure) => {
+                queue.close();
+                return Err(failure);
+            }
+        };
+        {
+            let socket = outcome;
+            carried.handed_over();
+            let Some((acknowledged, packets)) = window.position() else {
+                unreachable!("only a resumable connection stops to be handed over")
+            };
+            let state = ConnectionState {
+                connect_id: connect_id.get(),
+                token: down
+                    .token
+                    .as_ref()
+                    .and_then(|token| token.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned(),
+                target,
+                acknowledged,
+                unacknowledged: packets.iter().map(Bytes::len).collect(),
+                unsent: unsent.as_ref().map_or(0, Bytes::len),
+                written: down.gate.written(),
+                close_requested: close_requested.load(Ordering::Acquire),
+            };
+            // One buffer: thousands of tiny packets, each a buffer of its
+            // own, would cost far more than their bytes on the way.
+            let mut data = BytesMut::with_capacity(state.data_len());
+            for packet in packets.iter().chain(&unsent) {
+                data.extend_from_slice(packet);
+            }
+            handoff.give(HandedConnection {
+                state,
+                data: data.freeze(),
+                socket,
+            });
+            down.hold_stream();
+            Ok(Ended::HandedOver)
+        }
     }
+}
+
+/// Why [`Down::run`] returned without a failure.
+enum Stopped {
+    Closed,
+    /// Promised to the successor, with a copy of the client's socket.
+    HandOver(OwnedFd),
 }
 
 /// The captured client's bytes, numbered (with resume) and queued for the
 /// server. They wait for window credit, never for a stream: the queue
 /// outlives each stream under it. On the client's end of stream, CLOSE_REQ
 /// (the protocol has no half-close).
+///
+/// What was read and waits for credit sits in `unsent`, so that a hand-over
+/// that stops this task takes it along; a packet numbered is kept for
+/// replay, so stopping while it is queued loses nothing either.
 async fn up(
     read: ReadHalf<'_>,
     connect_id: ConnectId,
     queue: Outbound,
     window: SendWindow,
     close_requested: Arc<AtomicBool>,
+    unsent: &mut Option<Bytes>,
 ) {
-    loop {
-        if read.readable().await.is_err() {
-            break;
-        }
-        // A buffer the size of each read: an idle connection holds none,
-        // and a small packet kept for replay pins no large buffer.
-        match konnectivity_mux::chunk::read_ready(
-            |first| read.try_read(first),
-            |more| read.try_read_buf(more),
-        ) {
-            Ok(None) => break,
-            Ok(Some(data)) => {
-                if window.reserve(data.len()).await.is_err() {
-                    return std::future::pending().await;
+    // A connection handed over after its client closed has nothing to read.
+    while !close_requested.load(Ordering::Acquire) {
+        let data = match unsent.take() {
+            Some(data) => data,
+            None => {
+                if read.readable().await.is_err() {
+                    break;
                 }
-                let frame = window.data(connect_id, data);
-                if queue.send(frame.into()).await.is_err() {
-                    return;
+                // A buffer the size of each read: an idle connection holds
+                // none, and a small packet kept for replay pins no large
+                // buffer.
+                match konnectivity_mux::chunk::read_ready(
+                    |first| read.try_read(first),
+                    |more| read.try_read_buf(more),
+                ) {
+                    Ok(None) => break,
+                    Ok(Some(data)) => data,
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(_) => break,
                 }
             }
-            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(_) => break,
+        };
+        let len = data.len();
+        *unsent = Some(data);
+        if window.reserve(len).await.is_err() {
+            return std::future::pending().await;
+        }
+        let data = unsent.take().expect("kept across the wait for credit");
+        let frame = window.data(connect_id, data);
+        if queue.send(frame.into()).await.is_err() {
+            return;
         }
     }
-    close_requested.store(true, Ordering::Release);
-    let _ = queue.send(Frame::CloseRequest { connect_id }.into()).await;
+    if !close_requested.swap(true, Ordering::AcqRel) {
+        let _ = queue.send(Frame::CloseRequest { connect_id }.into()).await;
+    }
     // The answer (CLOSE_RSP) ends the relay.
     std::future::pending().await
 }
@@ -214,22 +411,40 @@ async fn up(
 struct Down {
     connect_id: ConnectId,
     queue: Outbound,
-    inbound: Streaming<Packet>,
+    /// `None` until a connection handed over is first resumed.
+    inbound: Option<Streaming<Packet>>,
     token: Option<AsciiMetadataValue>,
     window: SendWindow,
     gate: ReceiveGate,
     credit: ReceiveCredit,
+    /// `true` once a successor asks for the connections.
+    handing: watch::Receiver<bool>,
     context: ResumeContext,
     close_requested: Arc<AtomicBool>,
+    taken_over: Option<oneshot::Sender<Result<(), Failure>>>,
 }
 
 impl Down {
-    async fn run(&mut self, mut write: WriteHalf<'_>) -> Result<(), Failure> {
+    async fn run(&mut self, mut write: WriteHalf<'_>) -> Result<Stopped, Failure> {
         // Only a tunnel replaced from now on means this stream is lost.
         self.context.tunnels.mark_unchanged();
+        if self.inbound.is_none() {
+            let resumed = Box::pin(self.lost("handed over by the previous agent".to_owned())).await;
+            if let Some(taken_over) = self.taken_over.take() {
+                let _ = taken_over.send(resumed.clone());
+            }
+            resumed?;
+        }
+        // A successor that asked while this connection was being dialed.
+        if *self.handing.borrow_and_update()
+            && let Some(socket) = self.stop_for_successor(&write)
+        {
+            return Ok(Stopped::HandOver(socket));
+        }
         loop {
+            let inbound = self.inbound.as_mut().expect("a stream is attached");
             let next = tokio::select! {
-                waited = self.credit.or_quiet(self.inbound.message()) => match waited {
+                waited = self.credit.or_quiet(inbound.message()) => match waited {
                     Waited::Arrived(next) => next,
                     // The server may drop what it kept for replay.
                     Waited::Quiet(credit) => {
@@ -241,6 +456,14 @@ impl Down {
                 // stream's connection is as good as gone.
                 Ok(()) = self.context.tunnels.changed(), if self.token.is_some() => {
                     Err(tonic::Status::unavailable("the node tunnel was replaced"))
+                }
+                // A successor takes the connections: here, between two
+                // packets, nothing is half written to the client.
+                Ok(()) = self.handing.changed(), if self.token.is_some() => {
+                    if let Some(socket) = self.stop_for_successor(&write) {
+                        return Ok(Stopped::HandOver(socket));
+                    }
+                    continue;
                 }
             };
             // Boxed: rare, and its state would otherwise sit in every
@@ -290,7 +513,7 @@ impl Down {
                 }
                 Ok(Frame::CloseResponse { error: None, .. }) => {
                     let _ = write.shutdown().await;
-                    return Ok(());
+                    return Ok(Stopped::Closed);
                 }
                 Ok(Frame::CloseResponse {
                     error: Some(error), ..
@@ -298,6 +521,56 @@ impl Down {
                 Ok(other) => tracing::warn!(kind = ?other.kind(), "unexpected packet on a tunnel stream"),
                 Err(error) => tracing::warn!(%error, "invalid packet on a tunnel stream"),
             }
+        }
+    }
+
+    /// Stops for the successor, if it still takes connections: a copy of
+    /// the client's socket (taken before the promise, so a promise is always
+    /// kept). `None`: carry on here.
+    fn stop_for_successor(&self, write: &WriteHalf<'_>) -> Option<OwnedFd> {
+        // Only a stream the successor can resume.
+        self.token.as_ref()?;
+        let socket: &TcpStream = write.as_ref();
+        let copy = match socket.as_fd().try_clone_to_owned() {
+            Ok(copy) => copy,
+            Err(error) => {
+                tracing::warn!(connect_id = self.connect_id.get(), %error, "cannot hand a captured connection over; it stays");
+                return None;
+            }
+        };
+        self.context.handoff.promise().then_some(copy)
+    }
+
+    /// After CLOSE_RSP, with the queue closed (the stream ends cleanly): a
+    /// resumable stream's server keeps the session until it sees that end,
+    /// then ends its side. Waited for, briefly, rather than dropped: a
+    /// dropped stream is reset, and the server would wait for a resume.
+    async fn finish(mut self) {
+        if self.token.is_none() {
+            return;
+        }
+        if let Some(mut inbound) = self.inbound.take() {
+            let _ = tokio::time::timeout(CLOSE_WAIT, async {
+                while let Ok(Some(_)) = inbound.message().await {}
+            })
+            .await;
+        }
+    }
+
+    /// After a hand-over: this agent sends nothing more on the stream, and
+    /// keeps it open until the server ends it (once the successor resumed
+    /// the connection, when the connection ends) or this agent exits. Ended
+    /// now, it would leave the connection waiting for a resume at the
+    /// server, where the successor's first new stream would take it for a
+    /// crashed agent's (docs/resume.md) and close it.
+    fn hold_stream(self) {
+        self.queue.detach();
+        if let Some(mut inbound) = self.inbound {
+            let queue = self.queue;
+            tokio::spawn(async move {
+                let _queue = queue;
+                while let Ok(Some(_)) = inbound.message().await {}
+            });
         }
     }
 
@@ -396,7 +669,7 @@ impl Down {
             });
         }
         ahead.open();
-        self.inbound = inbound;
+        self.inbound = Some(inbound);
         Ok(resent)
     }
 }

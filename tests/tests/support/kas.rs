@@ -22,6 +22,13 @@ use sha2::{Digest, Sha256};
 pub const VIP: &str = "10.96.0.1";
 pub const VIP6: &str = "fd00:96::1";
 pub const KAS: &str = "10.222.1.10:6443";
+/// A destination beside the API server, allowed to node clients, that a
+/// test serves itself (long-lived streams the API server stand-in cannot
+/// make); node agents capture it with [`STREAMS_CAPTURE`].
+pub const STREAMS: &str = "10.222.1.10:7000";
+/// Where node clients reach [`STREAMS`]: the VIP's address, another port.
+pub const STREAMS_VIP: &str = "10.96.0.1:7000";
+pub const STREAMS_CAPTURE: &str = "--capture=10.96.0.1:7000=10.222.1.10:7000";
 pub const SERVER_IP: &str = "10.222.0.2";
 pub const AGENT_PORT: u16 = 8091;
 pub const NODE_FRONTEND_PORT: u16 = 8096;
@@ -163,7 +170,7 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
             format!("--cluster-ca-cert={}", pki.ca.display()),
             format!("--node-frontend-port={NODE_FRONTEND_PORT}"),
             format!("--node-client-ca-cert={}", pki.node_ca.display()),
-            format!("--node-allowed-destinations={KAS}"),
+            format!("--node-allowed-destinations={KAS},{STREAMS}"),
             "--control-plane-agent-ids=cp-1".to_owned(),
         ],
         dir.path(),

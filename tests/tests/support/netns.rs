@@ -160,6 +160,24 @@ impl Netns {
         .unwrap()
     }
 
+    /// A TCP connection from inside the namespace, as a process there makes
+    /// it (its address captured by the namespace's rules like theirs):
+    /// connected from a short-lived thread that entered the namespace.
+    pub fn connect_tcp(&self, addr: &str) -> std::io::Result<tokio::net::TcpStream> {
+        let path = format!("/var/run/netns/{}", self.name);
+        let addr = addr.to_owned();
+        let connected = std::thread::spawn(move || {
+            let netns = std::fs::File::open(&path)?;
+            nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            let stream = std::net::TcpStream::connect(&addr)?;
+            stream.set_nonblocking(true)?;
+            Ok::<_, std::io::Error>(stream)
+        })
+        .join()
+        .unwrap()?;
+        tokio::net::TcpStream::from_std(connected)
+    }
+
     /// GET http://127.0.0.1:PORT/PATH from inside the namespace: status and body.
     pub fn http_get(&self, port: u16, path: &str) -> (u16, String) {
         let output = self
