@@ -18,9 +18,12 @@
 # bash hack/bench.sh --handover: the node agent replaced five times under
 # 200 connections a second (TLS + a request each) from a node and a pod of
 # containerd's, as a rolling hand-over and as SIGKILL + a new agent:
-# connections attempted and failed, and the recovery time after a kill
-# (tests/tests/handover.rs's scenarios from a release build; root, as root
-# installs containerd, runc and what the pod tests use).
+# connections attempted and failed, and the recovery time after a kill; and
+# five rolling replacements with established connections (20 numbered-line
+# connections, a 1 GiB download, 100 new connections a second,
+# --drain-timeout=5s): how long a connection pauses while it is handed to the
+# new agent, p50 and max (tests/tests/handover.rs's scenarios from a release
+# build; root, as root installs containerd, runc and what the pod tests use).
 #
 # bash hack/bench.sh --resume: the agent's connection cut 50 times (ss -K)
 # under a back-to-back echo: the time from a cut to data flowing again, p50,

@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::support::containerd::{Pod, containerd_or_skip};
 use crate::support::cri_node::Node;
@@ -382,12 +382,13 @@ async fn handover_benchmark() {
         "the benchmark needs root and containerd"
     );
     const RUNS: usize = 3;
-    let (mut rolling, mut killed) = (Vec::new(), Vec::new());
+    let (mut rolling, mut killed, mut established) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..RUNS {
         let (mut node, mut pods) = node_with_a_pod(false).await;
         rolling.push(replace_rolling(&mut node, &mut pods, false).await);
         let (mut node, mut pods) = node_with_a_pod(false).await;
         killed.push(replace_by_killing(&mut node, &mut pods).await);
+        established.push(replace_rolling_with_established_connections().await);
     }
     let ms = |d: Duration| format!("{:.0}", d.as_secs_f64() * 1000.0);
     let median = |mut values: Vec<Duration>| {
@@ -432,6 +433,32 @@ async fn handover_benchmark() {
                 let all: Vec<Duration> = k.recoveries.iter().map(|r| r.0).collect();
                 format!("{} ({})", ms(median(all.clone())), ms(*all.iter().max().unwrap()))
             })
+            .collect(),
+    );
+    row(
+        "rolling, established connections (20 lines every 10 ms, 1 GiB download, 100 new/s): broken",
+        established.iter().map(|_| "0".to_owned()).collect(),
+    );
+    row(
+        "rolling, established: pause of a connection during a hand-over, ms (p50; max of 100)",
+        established
+            .iter()
+            .map(|e| {
+                let mut pauses = e.pauses.clone();
+                pauses.sort();
+                format!(
+                    "{} ({})",
+                    ms(pauses[pauses.len() / 2]),
+                    ms(*pauses.last().unwrap())
+                )
+            })
+            .collect(),
+    );
+    row(
+        "rolling, established: a line's round trip otherwise, ms (p50)",
+        established
+            .iter()
+            .map(|e| format!("{:.1}", e.round_trip.as_secs_f64() * 1000.0))
             .collect(),
     );
     row(
@@ -494,8 +521,12 @@ async fn a_new_agent_that_cannot_reach_the_server_never_takes_over() {
 /// A long-lived connection through the node agent: numbered lines through
 /// the echo target, one every 10 ms, each read back before the next (as
 /// `kubectl logs -f` or a watch would see them: every line once, in order).
-/// Runs until `stop`; how many lines went through, or what broke.
-async fn numbered_lines(mut stream: tokio::net::TcpStream, stop: Arc<AtomicBool>) -> Result<u64, String> {
+/// Runs until `stop`; when each line was sent and how long it took to come
+/// back, or what broke.
+async fn numbered_lines(
+    mut stream: tokio::net::TcpStream,
+    stop: Arc<AtomicBool>,
+) -> Result<Vec<(Instant, Duration)>, String> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
     stream
         .write_all(&targets::header(b'E', 0, 0))
@@ -503,8 +534,10 @@ async fn numbered_lines(mut stream: tokio::net::TcpStream, stop: Arc<AtomicBool>
         .map_err(|e| e.to_string())?;
     let (read, mut write) = stream.into_split();
     let mut lines = BufReader::new(read).lines();
-    let mut sent = 0u64;
+    let mut round_trips = Vec::new();
     while !stop.load(Ordering::Relaxed) {
+        let sent = round_trips.len();
+        let started = Instant::now();
         write
             .write_all(format!("line {sent}\n").as_bytes())
             .await
@@ -519,10 +552,10 @@ async fn numbered_lines(mut stream: tokio::net::TcpStream, stop: Arc<AtomicBool>
                 "line {sent} came back as {line:?}: a line missing, doubled or out of order"
             ));
         }
-        sent += 1;
+        round_trips.push((started, started.elapsed()));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    Ok(sent)
+    Ok(round_trips)
 }
 
 /// Downloads `len` pattern bytes, read at most `per_second` bytes a second
@@ -565,14 +598,20 @@ async fn slow_download(
 /// The agent's live heap (bytes allocated and not freed).
 const HEAP: &str = "konnectivity_network_proxy_agent_runtime_heap_bytes";
 
-/// A process's resident memory, KiB.
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
+/// What rolling replacements with established connections did.
+struct Established {
+    /// New connections attempted (none may fail).
+    attempted: usize,
+    /// Lines that went through the long-lived connections.
+    lines: usize,
+    /// For each replacement and long-lived connection, the longest round
+    /// trip of a line sent while the replacement ran: the pause the
+    /// hand-over cost the connection.
+    pauses: Vec<Duration>,
+    /// A line's round trip outside replacements (median).
+    round_trip: Duration,
+    /// Each old agent's hand-over line.
+    handed: Vec<String>,
 }
 
 /// Five rolling replacements of the node agent (the successor starts beside
@@ -580,19 +619,14 @@ fn rss_kib(pid: u32) -> u64 {
 /// ready), with `--drain-timeout=5s` so that no connection can outlive a
 /// replacement by draining, under load: 100 new connections a second through
 /// the `kubernetes` VIP (TLS and a request), 20 long-lived connections each
-/// carrying a numbered line every 10 ms, and a 1 GiB download. Each old
-/// agent hands its established connections to its successor, which resumes
-/// them at the server: no new connection fails, no long-lived one breaks,
-/// no line goes missing or doubled, the download's SHA-256 is intact; each
-/// old agent exits at its SIGTERM without draining anything, one agent runs
-/// after each replacement, and the last one holds about the descriptors
-/// and memory the first one held. Without the hand-over of established
-/// connections, the first old agent's exit ends every long-lived one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rolling_replacements_hand_established_connections_over() {
-    if !root_or_skip("rolling_replacements_hand_established_connections_over") {
-        return;
-    }
+/// carrying a numbered line every 10 ms, and a 1 GiB download. Asserts that
+/// each old agent handed its established connections to its successor,
+/// which resumed them at the server: no new connection fails, no long-lived
+/// one breaks, no line goes missing or doubled, the download's SHA-256 is
+/// intact; each old agent exits at its SIGTERM without draining anything,
+/// one agent runs after each replacement, and the last one holds about the
+/// descriptors and live heap the first one held.
+async fn replace_rolling_with_established_connections() -> Established {
     const LONG_LIVED: usize = 20;
     const DOWNLOAD: u64 = 1 << 30;
     // About 25 s of transfer: it spans all five replacements.
@@ -630,11 +664,12 @@ async fn rolling_replacements_hand_established_connections_over() {
     ));
     tokio::time::sleep(Duration::from_secs(1)).await;
     let first_fds = descriptors(agent.pid()).len();
-    let first_rss = rss_kib(agent.pid());
     let first_heap = topology.node.metric(NODE_AGENT_HEALTH, HEAP).unwrap();
 
     let mut handed = Vec::new();
+    let mut replacing = Vec::new();
     for n in 0..REPLACEMENTS {
+        let began = Instant::now();
         let successor = topology.start_node_agent(&args);
         took_over(&successor).await;
         let log = successor.log_text();
@@ -662,18 +697,18 @@ async fn rolling_replacements_hand_established_connections_over() {
             .to_owned();
         handed.push(line);
         assert_eq!(node_agents(&dir).len(), 1, "replacement {n}: one agent runs");
+        replacing.push((began, Instant::now()));
         agent = successor;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last_fds = descriptors(agent.pid()).len();
-    let last_rss = rss_kib(agent.pid());
     let last_heap = topology.node.metric(NODE_AGENT_HEALTH, HEAP).unwrap();
     stop.store(true, Ordering::Relaxed);
-    let mut lines = 0;
+    let mut round_trips = Vec::new();
     for (i, connection) in long_lived.into_iter().enumerate() {
         match connection.await.unwrap() {
-            Ok(sent) => lines += sent,
+            Ok(lines) => round_trips.push(lines),
             Err(broke) => panic!(
                 "long-lived connection {i}: {broke}\nhand-overs:\n{}",
                 handed.join("\n")
@@ -698,10 +733,8 @@ async fn rolling_replacements_hand_established_connections_over() {
         failed.join("\n")
     );
     println!("hand-overs:\n{}", handed.join("\n"));
-    println!("{lines} lines through {LONG_LIVED} long-lived connections");
     println!(
-        "descriptors: first agent {first_fds}, last {last_fds}; live heap KiB: first {}, last {}; \
-         RSS KiB: first {first_rss}, last {last_rss}",
+        "descriptors: first agent {first_fds}, last {last_fds}; live heap KiB: first {:.0}, last {:.0}",
         first_heap / 1024.0,
         last_heap / 1024.0
     );
@@ -734,4 +767,57 @@ async fn rolling_replacements_hand_established_connections_over() {
         "the last agent counts what it took over: {taken}"
     );
     drop(streams);
+    let during = |at: Instant| {
+        replacing
+            .iter()
+            .any(|(began, ended)| at >= *began && at <= *ended)
+    };
+    let mut pauses = Vec::new();
+    for (began, ended) in &replacing {
+        for lines in &round_trips {
+            let longest = lines
+                .iter()
+                .filter(|(at, _)| at >= began && at <= ended)
+                .map(|(_, took)| *took)
+                .max();
+            pauses.extend(longest);
+        }
+    }
+    let mut outside: Vec<Duration> = round_trips
+        .iter()
+        .flatten()
+        .filter(|(at, _)| !during(*at))
+        .map(|(_, took)| *took)
+        .collect();
+    outside.sort();
+    Established {
+        attempted: attempts.len(),
+        lines: round_trips.iter().map(Vec::len).sum(),
+        pauses,
+        round_trip: outside[outside.len() / 2],
+        handed,
+    }
+}
+
+/// See [`replace_rolling_with_established_connections`]. Without the
+/// hand-over of established connections, the first old agent drains for
+/// `--drain-timeout` and exits with every long-lived connection still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_replacements_hand_established_connections_over() {
+    if !root_or_skip("rolling_replacements_hand_established_connections_over") {
+        return;
+    }
+    let rolled = replace_rolling_with_established_connections().await;
+    let mut pauses = rolled.pauses.clone();
+    pauses.sort();
+    println!(
+        "{} new connections, {} lines through long-lived connections; {} hand-overs; pause p50 {:?}, max {:?}; \
+         round trip otherwise p50 {:?}",
+        rolled.attempted,
+        rolled.lines,
+        rolled.handed.len(),
+        pauses[pauses.len() / 2],
+        pauses.last().unwrap(),
+        rolled.round_trip
+    );
 }
