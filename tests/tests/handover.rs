@@ -821,3 +821,82 @@ async fn rolling_replacements_hand_established_connections_over() {
         rolled.round_trip
     );
 }
+
+/// What a crash loses is what the dead process held, and no more: a node
+/// agent killed (SIGKILL) with 20 established connections takes their
+/// sockets with it, so each client sees its connection end at once (no
+/// hang); the server ends their streams, and the connections behind them,
+/// as soon as the node's next agent opens a stream (not after
+/// `--agent-resume-timeout`, a minute); and the next agent's connections
+/// work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_agents_established_connections_end_at_once_and_only_they() {
+    const DROPPED: &str = "konnectivity_network_proxy_server_resume_dropped_connections_total";
+    if !root_or_skip("a_killed_node_agents_established_connections_end_at_once_and_only_they") {
+        return;
+    }
+    let topology = build(false).await;
+    let _streams = targets::blob_on(
+        tokio::net::TcpListener::from_std(topology.control_plane.bind_tcp(STREAMS)).unwrap(),
+    )
+    .await;
+    let args = [STREAMS_CAPTURE.to_owned()];
+    let mut agent = topology.start_node_agent(&args);
+    topology.wait_node_ready().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut long_lived = Vec::new();
+    for _ in 0..20 {
+        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+        long_lived.push(tokio::spawn(numbered_lines(stream, stop.clone())));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let dropped_before = topology
+        .control_plane
+        .metric(SERVER_HEALTH, DROPPED)
+        .unwrap_or(0.0);
+
+    agent.kill();
+    let killed = Instant::now();
+    for (i, connection) in long_lived.into_iter().enumerate() {
+        let ended = tokio::time::timeout(Duration::from_secs(5), connection)
+            .await
+            .unwrap_or_else(|_| panic!("connection {i} hangs after its agent was killed"))
+            .unwrap();
+        assert!(ended.is_err(), "connection {i} went on without its agent");
+    }
+    let ended_after = killed.elapsed();
+    assert!(
+        ended_after < Duration::from_secs(2),
+        "the clients saw their connections end {ended_after:?} after the kill"
+    );
+
+    let agent = topology.start_node_agent(&args);
+    topology.wait_node_ready().await;
+    // The new agent's connection works, and its stream tells the server the
+    // node's agent process changed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let working = tokio::spawn(numbered_lines(
+        topology.node.connect_tcp(STREAMS_VIP).unwrap(),
+        stop.clone(),
+    ));
+    let started = Instant::now();
+    let control_plane = &topology.control_plane;
+    wait_until(
+        Duration::from_secs(10),
+        "the server to end the dead agent's 20 streams",
+        || async { control_plane.metric(SERVER_HEALTH, DROPPED).unwrap_or(0.0) >= dropped_before + 20.0 },
+    )
+    .await;
+    let dropped_after = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    let lines = working.await.unwrap().expect("the new agent's connection works");
+    assert!(lines.len() >= 10, "{} lines", lines.len());
+    let dropped = control_plane.metric(SERVER_HEALTH, DROPPED).unwrap_or(0.0) - dropped_before;
+    assert_eq!(dropped, 20.0, "exactly the dead agent's connections were ended");
+    println!(
+        "clients saw the end {ended_after:?} after the kill; the server ended the dead agent's streams \
+         {dropped_after:?} after the new agent's first connection"
+    );
+    drop(agent);
+}
