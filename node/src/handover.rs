@@ -608,7 +608,6 @@ mod tests {
         ConnectionState {
             connect_id: 9,
             token: "0123@server".to_owned(),
-            target: "10.222.1.10:6443".to_owned(),
             acknowledged: 1_000,
             unacknowledged: vec![70_000, 1],
             unsent: 29_999,

@@ -28,8 +28,6 @@ pub struct ConnectionState {
     pub connect_id: i64,
     /// The resumable stream's token (`konnectivity-rs-resume-token`).
     pub token: String,
-    /// Where it goes, for the successor's log lines.
-    pub target: String,
     /// Bytes of the client's the server has written out (acknowledged).
     pub acknowledged: u64,
     /// The lengths of the packets sent after those and not yet
@@ -130,9 +128,11 @@ pub struct Carried {
 }
 
 impl Carried {
-    /// The connection promised itself to the successor.
-    pub fn handed_over(mut self) {
+    /// The connection that promised itself ([`HandOff::promise`]) gives
+    /// itself to the successor.
+    pub fn give(mut self, connection: HandedConnection) {
         self.handed_over = true;
+        self.handoff.collecting().given.push(connection);
     }
 }
 
@@ -179,8 +179,8 @@ impl HandOff {
     }
 
     /// A resumable connection that stopped asks to be handed over: `true`
-    /// binds it to [`HandOff::give`] its state at once and to
-    /// [`Carried::handed_over`]; `false` (too late) means it carries on here.
+    /// binds it to [`Carried::give`] its state at once; `false` (too late)
+    /// means it carries on here.
     pub fn promise(&self) -> bool {
         let mut collecting = self.collecting();
         if collecting.open {
@@ -188,11 +188,6 @@ impl HandOff {
             self.resumable.fetch_sub(1, Ordering::AcqRel);
         }
         collecting.open
-    }
-
-    /// A connection that promised gives itself.
-    pub fn give(&self, connection: HandedConnection) {
-        self.collecting().given.push(connection);
     }
 
     /// Asks every connection to stop and waits, at most `wait`, until every
@@ -233,7 +228,6 @@ mod tests {
         ConnectionState {
             connect_id: 7,
             token: "token".to_owned(),
-            target: "10.0.0.1:443".to_owned(),
             acknowledged: 100,
             unacknowledged: packets.to_vec(),
             unsent,
@@ -278,8 +272,7 @@ mod tests {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 assert!(handoff.promise());
-                handoff.give(handed(state(&[], 0), b""));
-                stopping.handed_over();
+                stopping.give(handed(state(&[], 0), b""));
             })
         };
         let collected = handoff.collect(Duration::from_millis(200));

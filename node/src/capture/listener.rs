@@ -102,9 +102,8 @@ async fn handle(mut connection: TcpStream, context: Arc<CaptureContext>) {
             return reset(connection);
         };
         let resume = context.resume();
-        let target = target.to_string();
-        match resumable::dial(&tunnel, &target, &resume, DIAL_TIMEOUT).await {
-            Ok(dialed) => resumable::relay(&mut connection, dialed, &target, resume),
+        match resumable::dial(&tunnel, &target.to_string(), &resume, DIAL_TIMEOUT).await {
+            Ok(dialed) => resumable::relay(&mut connection, dialed, resume),
             Err(error) => {
                 tracing::warn!(%orig, %target, %error, "captured connection could not be tunneled");
                 metrics.captured(CaptureOutcome::DialFailed);
@@ -151,7 +150,7 @@ pub(crate) async fn continue_handed(
             return;
         }
     };
-    let target = state.target.clone();
+    let connect_id = state.connect_id;
     let handed = match resumable::Handed::new(state, packets, unsent) {
         Ok(handed) => handed,
         Err(error) => {
@@ -164,7 +163,7 @@ pub(crate) async fn continue_handed(
     match relay.await {
         Ok(Ended::Closed | Ended::HandedOver) => {}
         Err(error) => {
-            tracing::debug!(%target, %error, "captured connection taken over ended with an error");
+            tracing::debug!(connect_id, %error, "captured connection taken over ended with an error");
             reset(connection);
         }
     }
@@ -173,4 +172,33 @@ pub(crate) async fn continue_handed(
 /// [`reset`] for a socket not yet given to tokio.
 fn reset_std(socket: std::os::fd::OwnedFd) {
     let _ = socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A captured connection's task is most of what an idle one costs
+    /// (50,000 of them on a large node fleet): 1,888 bytes before the
+    /// hand-over of established connections, 1,896 after. Keep it so: a
+    /// rare path's state belongs in a box.
+    #[tokio::test]
+    async fn a_captured_connections_task_stays_small() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let _client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        accepted.set_nonblocking(true).unwrap();
+        let (_tunnel, tunnel) = watch::channel(None);
+        let mut registry = prometheus_client::registry::Registry::default();
+        let context = Arc::new(CaptureContext {
+            map: CaptureMap::default(),
+            tunnel,
+            metrics: Arc::new(NodeMetrics::register(&mut registry, Default::default())),
+            resume_timeout: Duration::from_secs(60),
+            handoff: HandOff::new(),
+        });
+        let task = handle(TcpStream::from_std(accepted).unwrap(), context);
+        let size = std::mem::size_of_val(&task);
+        assert!(size <= 2048, "a captured connection's task is {size} bytes");
+    }
 }

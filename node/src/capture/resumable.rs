@@ -152,7 +152,6 @@ struct Start {
     close_requested: bool,
     /// Read from the client and not yet sent.
     unsent: Option<Bytes>,
-    target: String,
     /// Told how the first resume went (a connection handed over).
     taken_over: Option<oneshot::Sender<Result<(), Failure>>>,
 }
@@ -163,12 +162,11 @@ struct Start {
 ///
 /// Not an `async fn`: one would keep `dialed` and `context` in the task
 /// beside the state built from them, for as long as the connection lives.
-pub(crate) fn relay<'a>(
-    socket: &'a mut TcpStream,
+pub(crate) fn relay(
+    socket: &mut TcpStream,
     dialed: Dialed,
-    target: &str,
     context: ResumeContext,
-) -> impl Future<Output = Result<Ended, Failure>> + 'a {
+) -> impl Future<Output = Result<Ended, Failure>> + '_ {
     let Dialed {
         connect_id,
         queue,
@@ -190,7 +188,6 @@ pub(crate) fn relay<'a>(
         credit,
         close_requested: false,
         unsent: None,
-        target: target.to_owned(),
         taken_over: None,
     };
     run(socket, start, context)
@@ -221,7 +218,6 @@ impl Handed {
             credit,
             close_requested: state.close_requested,
             unsent,
-            target: state.target,
             taken_over: None,
         }))
     }
@@ -256,12 +252,11 @@ fn run(
         credit,
         close_requested,
         mut unsent,
-        target,
         taken_over,
     } = start;
     let close_requested = Arc::new(AtomicBool::new(close_requested));
-    let handoff = context.handoff.clone();
-    let carried = handoff.carry(token.is_some());
+    let carried = context.handoff.carry(token.is_some());
+    let handing = context.handoff.signal();
     let mut down = Down {
         connect_id,
         queue: queue.clone(),
@@ -270,7 +265,7 @@ fn run(
         window: window.clone(),
         gate,
         credit,
-        handing: handoff.signal(),
+        handing,
         context,
         close_requested: close_requested.clone(),
         taken_over,
@@ -297,7 +292,9 @@ fn run(
             Ok(Stopped::Closed) => {
                 // Its writer sends what is queued, then ends the stream cleanly.
                 queue.close();
-                down.finish().await;
+                // Boxed: inline, the wait (and the session it takes) would
+                // sit in every captured connection's task for its life.
+                Box::pin(down.finish()).await;
                 return Ok(Ended::Closed);
             }
             Err(failure) => {
@@ -307,7 +304,6 @@ fn run(
         };
         {
             let socket = outcome;
-            carried.handed_over();
             let Some((acknowledged, packets)) = window.position() else {
                 unreachable!("only a resumable connection stops to be handed over")
             };
@@ -319,7 +315,6 @@ fn run(
                     .and_then(|token| token.to_str().ok())
                     .unwrap_or_default()
                     .to_owned(),
-                target,
                 acknowledged,
                 unacknowledged: packets.iter().map(Bytes::len).collect(),
                 unsent: unsent.as_ref().map_or(0, Bytes::len),
@@ -332,7 +327,7 @@ fn run(
             for packet in packets.iter().chain(&unsent) {
                 data.extend_from_slice(packet);
             }
-            handoff.give(HandedConnection {
+            carried.give(HandedConnection {
                 state,
                 data: data.freeze(),
                 socket,
