@@ -287,53 +287,23 @@ fn run(
                 () = up => Err("the connection's stream ended".to_owned()),
             }
         };
-        let outcome = match outcome {
-            Ok(Stopped::HandOver(socket)) => socket,
+        match outcome {
+            Ok(Stopped::HandOver(socket)) => {
+                carried.give(down.handed(socket, unsent));
+                Ok(Ended::HandedOver)
+            }
             Ok(Stopped::Closed) => {
                 // Its writer sends what is queued, then ends the stream cleanly.
                 queue.close();
                 // Boxed: inline, the wait (and the session it takes) would
                 // sit in every captured connection's task for its life.
                 Box::pin(down.finish()).await;
-                return Ok(Ended::Closed);
+                Ok(Ended::Closed)
             }
             Err(failure) => {
                 queue.close();
-                return Err(failure);
+                Err(failure)
             }
-        };
-        {
-            let socket = outcome;
-            let Some((acknowledged, packets)) = window.position() else {
-                unreachable!("only a resumable connection stops to be handed over")
-            };
-            let state = ConnectionState {
-                connect_id: connect_id.get(),
-                token: down
-                    .token
-                    .as_ref()
-                    .and_then(|token| token.to_str().ok())
-                    .unwrap_or_default()
-                    .to_owned(),
-                acknowledged,
-                unacknowledged: packets.iter().map(Bytes::len).collect(),
-                unsent: unsent.as_ref().map_or(0, Bytes::len),
-                written: down.gate.written(),
-                close_requested: close_requested.load(Ordering::Acquire),
-            };
-            // One buffer: thousands of tiny packets, each a buffer of its
-            // own, would cost far more than their bytes on the way.
-            let mut data = BytesMut::with_capacity(state.data_len());
-            for packet in packets.iter().chain(&unsent) {
-                data.extend_from_slice(packet);
-            }
-            carried.give(HandedConnection {
-                state,
-                data: data.freeze(),
-                socket,
-            });
-            down.hold_stream();
-            Ok(Ended::HandedOver)
         }
     }
 }
@@ -552,12 +522,49 @@ impl Down {
         }
     }
 
-    /// After a hand-over: this agent sends nothing more on the stream, and
-    /// keeps it open until the server ends it (once the successor resumed
-    /// the connection, when the connection ends) or this agent exits. Ended
-    /// now, it would leave the connection waiting for a resume at the
-    /// server, where the successor's first new stream would take it for a
-    /// crashed agent's (docs/resume.md) and close it.
+    /// The connection, stopped for the successor with `socket` (a copy of
+    /// the client's) and `unsent` (read from the client, not yet sent), as
+    /// it goes to the successor.
+    ///
+    /// This agent sends nothing more on the stream, and keeps it open until
+    /// the server ends it (once the successor resumed the connection, when
+    /// the connection ends) or this agent exits. Ended now, it would leave
+    /// the connection waiting for a resume at the server, where the
+    /// successor's first new stream would take it for a crashed agent's
+    /// (docs/resume.md) and close it.
+    fn handed(self, socket: OwnedFd, unsent: Option<Bytes>) -> HandedConnection {
+        // A stream with a token negotiated resume: its window keeps what
+        // was sent.
+        let (acknowledged, packets) = self.window.position().unwrap_or_default();
+        let state = ConnectionState {
+            connect_id: self.connect_id.get(),
+            token: self
+                .token
+                .as_ref()
+                .and_then(|token| token.to_str().ok())
+                .unwrap_or_default()
+                .to_owned(),
+            acknowledged,
+            unacknowledged: packets.iter().map(Bytes::len).collect(),
+            unsent: unsent.as_ref().map_or(0, Bytes::len),
+            written: self.gate.written(),
+            close_requested: self.close_requested.load(Ordering::Acquire),
+        };
+        // One buffer: thousands of tiny packets, each a buffer of its own,
+        // would cost far more than their bytes on the way.
+        let mut data = BytesMut::with_capacity(state.data_len());
+        for packet in packets.iter().chain(&unsent) {
+            data.extend_from_slice(packet);
+        }
+        self.hold_stream();
+        HandedConnection {
+            state,
+            data: data.freeze(),
+            socket,
+        }
+    }
+
+    /// See [`Down::handed`].
     fn hold_stream(self) {
         self.queue.detach();
         if let Some(mut inbound) = self.inbound {
