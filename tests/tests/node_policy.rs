@@ -514,6 +514,56 @@ async fn the_last_bytes_and_close_of_a_connection_reach_a_stream_that_resumes_it
     drop(lost);
 }
 
+/// A node agent of an earlier version drops its stream as soon as it has
+/// the CLOSE_RSP, without waiting for the server's end of it: the server,
+/// which keeps a session until its client has the close, ends it then, and
+/// does not hold it for `--agent-resume-timeout` waiting for a resume that
+/// will never come (twenty times over: no ordering of the two ends leaves
+/// it waiting).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_drops_its_stream_after_the_close_ends_the_session() {
+    use konnectivity_proto::Frame;
+    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+
+    let setup = setup().await;
+    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
+    let address = setup.allowed.addr.to_string();
+    for round in 0..20 {
+        let (mut stream, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
+            .await
+            .unwrap();
+        let token = answer.get(RESUME_TOKEN).unwrap().to_str().unwrap().to_owned();
+        stream.send(&targets::header(b'X', 0, 0)).await;
+        let close = tokio::time::timeout(Duration::from_secs(10), stream.inbound.message())
+            .await
+            .expect("CLOSE_RSP within 10 s")
+            .unwrap()
+            .expect("the stream carries the CLOSE_RSP");
+        assert!(matches!(Frame::try_from(close), Ok(Frame::CloseResponse { .. })));
+        // As such an agent does: its answer, then its requests.
+        let HandStream {
+            inbound, outbound, ..
+        } = stream;
+        drop(inbound);
+        drop(outbound);
+        let headers = vec![(RESUME_TOKEN, header(&token)), (RESUME_RECEIVED, header("0"))];
+        let mut refused = None;
+        for _ in 0..50 {
+            match open_by_hand(&tunnel, headers.clone(), None).await {
+                Err(status) => {
+                    refused = Some(status);
+                    break;
+                }
+                // Taken: the session was still there, waiting; let go.
+                Ok(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        let refused = refused
+            .unwrap_or_else(|| panic!("round {round}: the session still waits for a resume after 1 s"));
+        assert_eq!(refused.code(), tonic::Code::NotFound, "{}", refused.message());
+    }
+}
+
 /// A node agent hands a connection to its successor while the connection's
 /// stream is still open, and the successor's own new streams carry another
 /// process id, which tells the server to end the waiting streams of the
