@@ -18,7 +18,7 @@ use crate::support::containerd::{Pod, containerd_or_skip};
 use crate::support::cri_node::Node;
 use crate::support::kas::*;
 use crate::support::load::{Attempt, Load, Target, failures};
-use crate::support::netns::root_or_skip;
+use crate::support::netns::{connect_tcp_in, root_or_skip};
 use crate::support::procs::Proc;
 use crate::support::targets;
 use crate::support::wait_until;
@@ -138,7 +138,20 @@ struct Rolling {
 async fn replace_rolling(node: &mut Node, pods: &mut Vec<Pod>, download: bool) -> Rolling {
     let pod_netns = node.containerd.netns_of(&pods[0]).await;
     let from_node = load_from(node, node_netns(node));
-    let from_pod = load_from(node, pod_netns);
+    let from_pod = load_from(node, pod_netns.clone());
+    // Long-lived connections from the pod (the old agent hands them over
+    // from the pod's own listener), each a numbered line every 10 ms.
+    let _streams = targets::blob_on(
+        tokio::net::TcpListener::from_std(node.topology.control_plane.bind_tcp(STREAMS)).unwrap(),
+    )
+    .await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let long_lived: Vec<_> = (0..5)
+        .map(|_| {
+            let stream = connect_tcp_in(pod_netns.clone(), STREAMS_VIP).unwrap();
+            tokio::spawn(numbered_lines(stream, stop.clone()))
+        })
+        .collect();
     // Slowed so that it spans every replacement, checksummed as it arrives.
     let downloading = download.then(|| {
         node.topology.node.spawn_program(
@@ -205,6 +218,14 @@ async fn replace_rolling(node: &mut Node, pods: &mut Vec<Pod>, download: bool) -
     let (node_attempts, pod_attempts) = (from_node.finish(), from_pod.finish());
     report("from the node", &node_attempts);
     report("from a pod", &pod_attempts);
+    stop.store(true, Ordering::Relaxed);
+    for (i, connection) in long_lived.into_iter().enumerate() {
+        let lines = connection
+            .await
+            .unwrap()
+            .unwrap_or_else(|broke| panic!("the pod's long-lived connection {i}: {broke}"));
+        assert!(lines.len() > 100, "{} lines", lines.len());
+    }
     let seconds = node_attempts.last().unwrap().started.as_secs_f64();
     assert!(
         (node_attempts.len() + pod_attempts.len()) as f64 >= 1.8 * f64::from(RATE) * seconds,

@@ -109,6 +109,11 @@ impl Node {
             format!("--cni-cache-dir={}", self.containerd.cni_cache_dir.display()),
             format!("--cni-conf-dir={}", self.containerd.cni_conf_dir.display()),
             "--exclude-namespaces=kube-system".to_owned(),
+            // Long-lived connections of the tests' own, from pods too.
+            STREAMS_CAPTURE.to_owned(),
+            // A replaced agent must hand its connections over: a drain
+            // this short could not hide one that was not.
+            "--drain-timeout=5s".to_owned(),
         ];
         self.agent = Some(self.topology.start_node_agent(&args));
     }

@@ -164,18 +164,7 @@ impl Netns {
     /// it (its address captured by the namespace's rules like theirs):
     /// connected from a short-lived thread that entered the namespace.
     pub fn connect_tcp(&self, addr: &str) -> std::io::Result<tokio::net::TcpStream> {
-        let path = format!("/var/run/netns/{}", self.name);
-        let addr = addr.to_owned();
-        let connected = std::thread::spawn(move || {
-            let netns = std::fs::File::open(&path)?;
-            nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
-            let stream = std::net::TcpStream::connect(&addr)?;
-            stream.set_nonblocking(true)?;
-            Ok::<_, std::io::Error>(stream)
-        })
-        .join()
-        .unwrap()?;
-        tokio::net::TcpStream::from_std(connected)
+        connect_tcp_in(Path::new("/var/run/netns").join(&self.name), addr)
     }
 
     /// GET http://127.0.0.1:PORT/PATH from inside the namespace: status and body.
@@ -206,6 +195,21 @@ impl Drop for Netns {
 }
 
 /// Joins two namespaces with a veth pair and gives each end an address.
+/// [`Netns::connect_tcp`] from the namespace at `netns` (a pin, a pod's).
+pub fn connect_tcp_in(netns: std::path::PathBuf, addr: &str) -> std::io::Result<tokio::net::TcpStream> {
+    let addr = addr.to_owned();
+    let connected = std::thread::spawn(move || {
+        let netns = std::fs::File::open(&netns)?;
+        nix::sched::setns(&netns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        let stream = std::net::TcpStream::connect(&addr)?;
+        stream.set_nonblocking(true)?;
+        Ok::<_, std::io::Error>(stream)
+    })
+    .join()
+    .unwrap()?;
+    tokio::net::TcpStream::from_std(connected)
+}
+
 pub fn link(a: &Netns, a_addr: &str, b: &Netns, b_addr: &str) {
     run(Command::new("ip").args([
         "link", "add", "veth0", "netns", &a.name, "type", "veth", "peer", "name", "veth0", "netns", &b.name,
