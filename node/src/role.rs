@@ -441,7 +441,7 @@ async fn continue_connections(
             failed,
             %first_failure,
             took = ?started.elapsed(),
-            "established connections taken over from the previous agent, some not resumed (reset)"
+            "established connections taken over from the previous agent, some not resumed (reset, or still resuming after the wait)"
         ),
     }
 }
