@@ -753,6 +753,36 @@ mod tests {
         );
     }
 
+    /// The previous version's packets, as it parses them: a rollout from it
+    /// starts with its agent reading this version's hello.
+    #[derive(Debug, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    enum PreviousPacket {
+        Hello { version: u32 },
+    }
+
+    /// An agent of the previous version reads this version's hello (it
+    /// ignores the request for connections and hands over as before), and
+    /// this version reads the previous one's (no connections asked).
+    #[test]
+    fn hellos_are_read_across_the_previous_version() {
+        let ours = serde_json::to_vec(&Packet::Hello {
+            version: VERSION,
+            connections: true,
+        })
+        .unwrap();
+        let PreviousPacket::Hello { version } = serde_json::from_slice(&ours).unwrap();
+        assert_eq!(version, VERSION);
+        let previous = br#"{"hello":{"version":1}}"#;
+        assert!(matches!(
+            serde_json::from_slice::<Packet>(previous).unwrap(),
+            Packet::Hello {
+                version: 1,
+                connections: false
+            }
+        ));
+    }
+
     #[test]
     fn no_predecessor_answers_on_a_missing_or_stale_socket() {
         let dir = Dir::new("stale");
