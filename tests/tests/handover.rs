@@ -921,3 +921,64 @@ async fn a_killed_node_agents_established_connections_end_at_once_and_only_they(
     );
     drop(agent);
 }
+
+/// A connection whose client does not read while it is handed over cannot
+/// stop between two packets (the old agent's write to the client does not
+/// finish): it stays with the old agent, counted `busy`, and carries on
+/// there, intact, until that agent exits; the others go to the successor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_client_does_not_read_stays_with_the_old_agent() {
+    use tokio::io::AsyncWriteExt;
+    if !root_or_skip("a_connection_whose_client_does_not_read_stays_with_the_old_agent") {
+        return;
+    }
+    const LEN: u64 = 64 << 20;
+    let topology = build(false).await;
+    let _streams = targets::blob_on(
+        tokio::net::TcpListener::from_std(topology.control_plane.bind_tcp(STREAMS)).unwrap(),
+    )
+    .await;
+    let args = [STREAMS_CAPTURE.to_owned(), "--drain-timeout=60s".to_owned()];
+    let mut old = topology.start_node_agent(&args);
+    topology.wait_node_ready().await;
+    // A download nobody reads yet: the windows and socket buffers fill, and
+    // the old agent's write to the client waits.
+    let mut stalled = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+    stalled.write_all(&targets::header(b'G', LEN, 5)).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let reading = tokio::spawn(numbered_lines(
+        topology.node.connect_tcp(STREAMS_VIP).unwrap(),
+        stop.clone(),
+    ));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let successor = topology.start_node_agent(&args);
+    took_over(&successor).await;
+    let log = old.log_text();
+    let line = log
+        .lines()
+        .find(|line| line.contains("established connections handed to the newer agent"))
+        .unwrap_or_else(|| panic!("no hand-over line in\n{log}"))
+        .to_owned();
+    assert!(
+        line.contains("handed_over=1") && line.contains("busy=1"),
+        "the reading connection went, the stalled one stayed: {line}"
+    );
+    // The stalled download, read now, arrives whole through the old agent.
+    let digest = tokio::time::timeout(Duration::from_secs(60), targets::read_digest(&mut stalled, LEN))
+        .await
+        .expect("the download goes on")
+        .expect("the download arrives whole");
+    assert_eq!(digest, targets::pattern_digest(LEN, 5));
+    stop.store(true, Ordering::Relaxed);
+    let lines = reading.await.unwrap().expect("the handed-over connection works");
+    assert!(lines.len() > 50, "{} lines", lines.len());
+    // The old agent, told to stop, exits once its last connection is done.
+    drop(stalled);
+    old.signal("TERM");
+    assert!(
+        old.wait_exit(Duration::from_secs(20)).await.is_some(),
+        "the old agent exits once its kept connection ended"
+    );
+    drop(successor);
+}
