@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use crate::capture::handoff::{ConnectionState, HandedConnection};
+use crate::capture::listener::reset;
 use crate::pods::state::PodState;
 
 /// The protocol's version; a predecessor that speaks another refuses.
@@ -335,7 +336,7 @@ impl Inheritance {
                             socket,
                         }),
                         Err(error) => {
-                            reset(&socket);
+                            reset(socket);
                             return Err((error, connections));
                         }
                     }
@@ -475,7 +476,7 @@ fn send_connections(channel: &Socket, connections: Vec<HandedConnection>) -> usi
                 }
             }
         }
-        reset(&connection.socket);
+        reset(connection.socket);
     }
     sent
 }
@@ -537,11 +538,6 @@ fn receive_lengths(channel: &Socket, count: usize) -> Result<Vec<usize>, Handove
         .chunks_exact(4)
         .map(|length| u32::from_le_bytes(length.try_into().expect("four bytes")) as usize)
         .collect())
-}
-
-/// Ends a connection with a reset when its descriptor closes.
-fn reset(socket: &OwnedFd) {
-    let _ = socket2::SockRef::from(socket).set_linger(Some(Duration::ZERO));
 }
 
 /// Tells the successor there is no hand-over, and why; the error to log.

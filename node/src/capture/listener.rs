@@ -3,6 +3,7 @@
 //! through the node frontend to its mapped target.
 
 use std::io;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,7 +74,8 @@ fn original_dst(connection: &TcpStream) -> io::Result<OrigDst> {
 
 /// Ends a captured connection with a reset: its client sees a failure at
 /// once and retries, instead of hanging or mistaking it for a clean end.
-fn reset(connection: TcpStream) {
+/// The reset goes when the last descriptor of the socket closes.
+pub(crate) fn reset(connection: impl AsFd) {
     let _ = socket2::SockRef::from(&connection).set_linger(Some(Duration::ZERO));
 }
 
@@ -132,17 +134,12 @@ pub(crate) async fn continue_handed(
     context: Arc<CaptureContext>,
     taken_over: oneshot::Sender<Result<(), String>>,
 ) {
-    let HandedConnection { state, data, socket } = handed;
-    let split = HandedConnection {
-        state: state.clone(),
-        data,
-        socket,
-    };
-    let Some((packets, unsent)) = split.packets() else {
+    let Some((packets, unsent)) = handed.packets() else {
         let _ = taken_over.send(Err("the data handed over does not match its state".to_owned()));
-        return reset_std(split.socket);
+        return reset(handed.socket);
     };
-    let std = std::net::TcpStream::from(split.socket);
+    let HandedConnection { state, socket, .. } = handed;
+    let std = std::net::TcpStream::from(socket);
     let mut connection = match std.set_nonblocking(true).and_then(|()| TcpStream::from_std(std)) {
         Ok(connection) => connection,
         Err(error) => {
@@ -167,11 +164,6 @@ pub(crate) async fn continue_handed(
             reset(connection);
         }
     }
-}
-
-/// [`reset`] for a socket not yet given to tokio.
-fn reset_std(socket: std::os::fd::OwnedFd) {
-    let _ = socket2::SockRef::from(&socket).set_linger(Some(Duration::ZERO));
 }
 
 #[cfg(test)]
