@@ -71,6 +71,14 @@ impl Registry {
         self.publish(&backends);
     }
 
+    /// `backend`'s agent drains it (DRAIN): it is chosen only when every
+    /// agent drains, and another stream of the same agent may now be.
+    pub fn draining(&self, backend: &Backend) {
+        let backends = self.backends.write().expect("registry lock poisoned");
+        backend.set_draining();
+        strategy::mark_oldest(&backends, &backend.agent_id);
+    }
+
     /// The server is stopping: every agent stream is ended cleanly, so the
     /// agents know their connections will not resume here (docs/resume.md).
     /// Returns how many streams were ended.

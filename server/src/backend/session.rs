@@ -43,6 +43,8 @@ struct Session {
     /// The agent sent STREAM_END on the stream served now: its end is not
     /// a loss (with resume, an end without it is).
     peer_ended: bool,
+    /// Told when the agent drains: which of its streams is chosen changes.
+    registry: Arc<Registry>,
 }
 
 struct Handshake {
@@ -98,6 +100,7 @@ pub async fn run<S>(
         connections: Connections::default(),
         handshake: None,
         peer_ended: false,
+        registry: registry.clone(),
     };
     let mut inbound: Inbound = Box::pin(inbound);
     let reason = loop {
@@ -442,7 +445,7 @@ impl Session {
             }
             Frame::Drain => {
                 tracing::info!(agent_id = %self.backend.agent_id, "agent is draining");
-                self.backend.set_draining();
+                self.registry.draining(&self.backend);
             }
             unexpected => {
                 tracing::warn!(agent_id = %self.backend.agent_id, kind = ?unexpected.kind(), "unexpected packet from agent");

@@ -69,16 +69,22 @@ pub fn parse_strategies(text: &str) -> Result<Vec<Strategy>, String> {
     Ok(strategies)
 }
 
-/// Marks which of `agent_id`'s streams may be chosen: only its oldest. An
-/// agent holding streams to several servers behind one address dials until
-/// it reaches each of them, and a stream that lands on a server it already
-/// holds is closed at once: a dial routed to that newcomer would fail with
-/// it. Every agent also gets an equal share of dials, however many streams
-/// it has open. Called when streams come and go, so that choosing, once per
-/// dial, needs no grouping.
+/// Marks which of `agent_id`'s streams may be chosen: only its oldest that
+/// does not drain (its oldest, when all drain). An agent holding streams to
+/// several servers behind one address dials until it reaches each of them,
+/// and a stream that lands on a server it already holds is closed at once:
+/// a dial routed to that newcomer would fail with it. Every agent also gets
+/// an equal share of dials, however many streams it has open. A draining
+/// stream gives way to a younger one of the same id: the agent that
+/// replaces its predecessor on a node, with the same `--agent-id`, takes
+/// the node's dials while the predecessor's stream (or, after a hand-over,
+/// the successor resuming it) carries only what it already had. Called when
+/// streams come and go or start to drain, so that choosing, once per dial,
+/// needs no grouping.
 pub(crate) fn mark_oldest(backends: &[Arc<Backend>], agent_id: &str) {
     let streams = || backends.iter().filter(|b| b.agent_id == agent_id);
-    let Some(oldest) = streams().map(|b| b.id.0).min() else {
+    let oldest_serving = streams().filter(|b| !b.is_draining()).map(|b| b.id.0).min();
+    let Some(oldest) = oldest_serving.or_else(|| streams().map(|b| b.id.0).min()) else {
         return;
     };
     for backend in streams() {
@@ -183,6 +189,33 @@ mod tests {
         assert_eq!(
             select(&[Strategy::Default], &rest, any, "x").unwrap().id,
             BackendId(7)
+        );
+    }
+
+    /// An agent replaced on its node keeps its id: once the old stream
+    /// drains, the new one is chosen, and the old one again only if the new
+    /// one drains too.
+    #[test]
+    fn a_draining_stream_gives_way_to_a_younger_one_of_the_same_agent() {
+        let backends = [stream_of("a", 3, ""), stream_of("a", 8, "")];
+        mark_oldest(&backends, "a");
+        assert_eq!(
+            select(&[Strategy::Default], &backends, any, "x").unwrap().id,
+            BackendId(3)
+        );
+        backends[0].set_draining();
+        mark_oldest(&backends, "a");
+        for _ in 0..20 {
+            assert_eq!(
+                select(&[Strategy::Default], &backends, any, "x").unwrap().id,
+                BackendId(8)
+            );
+        }
+        backends[1].set_draining();
+        mark_oldest(&backends, "a");
+        assert_eq!(
+            select(&[Strategy::Default], &backends, any, "x").unwrap().id,
+            BackendId(3)
         );
     }
 
