@@ -14,6 +14,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
+use tokio::sync::watch;
 
 use crate::metrics::{AgentMetrics, DialFailure};
 use konnectivity_client::net::ConnectError;
@@ -104,6 +105,44 @@ pub(crate) struct StreamHandle {
     /// Where the end of the connection is reported.
     pub closed: mpsc::Sender<EndpointClosed>,
     pub bytes: Arc<TunnelBytes>,
+    /// Set when the session is handed to a successor (docs/handover.md):
+    /// both tasks stop where their state is whole and give their halves
+    /// back. `None` for a session that cannot be handed over.
+    pub stop: Option<watch::Receiver<bool>>,
+}
+
+/// Resolves once `stop` is set; never without it.
+async fn stop_requested(stop: &mut Option<watch::Receiver<bool>>) {
+    if let Some(stop) = stop
+        && stop.wait_for(|stop| *stop).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
+}
+
+/// How an endpoint's reader ended.
+pub(crate) enum ReaderEnd {
+    /// The endpoint or the stream ended (a close was reported if it was the
+    /// endpoint).
+    Ended,
+    /// Stopped for a hand-over: its half, and what it read and could not
+    /// yet send.
+    Stopped {
+        read: OwnedReadHalf,
+        unsent: Option<Bytes>,
+    },
+}
+
+/// How an endpoint's writer ended.
+pub(crate) enum WriterEnd {
+    Ended,
+    /// Stopped for a hand-over: its half, and the packet it was writing
+    /// (its whole length, and the rest still to write).
+    Stopped {
+        write: OwnedWriteHalf,
+        in_hand: Option<(usize, Bytes)>,
+    },
 }
 
 impl StreamHandle {
@@ -115,71 +154,159 @@ impl StreamHandle {
 
 /// Reads from the endpoint and sends DATA to the server until the endpoint
 /// closes; then reports the close so the session answers with CLOSE_RSP.
-pub(crate) async fn pump_from_endpoint(read: OwnedReadHalf, window: SendWindow, stream: StreamHandle) {
+/// `unsent`: bytes a predecessor read and did not send, sent first.
+pub(crate) async fn pump_from_endpoint(
+    read: OwnedReadHalf,
+    window: SendWindow,
+    mut stream: StreamHandle,
+    mut unsent: Option<Bytes>,
+) -> ReaderEnd {
     let connect_id = stream.connect_id;
     let error = loop {
-        // Wait for bytes before taking a buffer, and take one the size of
-        // what was read: an idle connection then holds no memory at all,
-        // and a small packet held for replay pins no large buffer.
-        if let Err(error) = read.readable().await {
-            break Some(error.to_string());
-        }
-        match konnectivity_mux::chunk::read_ready(
-            |first| read.try_read(first),
-            |more| read.try_read_buf(more),
-        ) {
-            Ok(None) => break None,
-            Ok(Some(data)) => {
-                stream.bytes.received_from_target(data.len());
-                if window.reserve(data.len()).await.is_err() {
-                    return;
+        let data = match unsent.take() {
+            Some(data) => data,
+            None => {
+                // Wait for bytes before taking a buffer, and take one the size
+                // of what was read: an idle connection then holds no memory at
+                // all, and a small packet held for replay pins no large buffer.
+                let readable = tokio::select! {
+                    biased;
+                    () = stop_requested(&mut stream.stop) => None,
+                    readable = read.readable() => Some(readable),
+                };
+                match readable {
+                    None => return ReaderEnd::Stopped { read, unsent: None },
+                    Some(Err(error)) => break Some(error.to_string()),
+                    Some(Ok(())) => {}
                 }
-                let packet = window.data(connect_id, data).into();
-                if stream.outbound.send(packet).await.is_err() {
-                    return;
+                match konnectivity_mux::chunk::read_ready(
+                    |first| read.try_read(first),
+                    |more| read.try_read_buf(more),
+                ) {
+                    Ok(None) => break None,
+                    Ok(Some(data)) => {
+                        stream.bytes.received_from_target(data.len());
+                        data
+                    }
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(error) => break Some(error.to_string()),
                 }
             }
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(error) => break Some(error.to_string()),
+        };
+        let reserved = tokio::select! {
+            biased;
+            () = stop_requested(&mut stream.stop) => None,
+            reserved = window.reserve(data.len()) => Some(reserved),
+        };
+        match reserved {
+            None => {
+                return ReaderEnd::Stopped {
+                    read,
+                    unsent: Some(data),
+                };
+            }
+            Some(Err(_)) => return ReaderEnd::Ended,
+            Some(Ok(())) => {}
+        }
+        // From here the packet is in the replay: a hand-over while it waits
+        // for the queue loses nothing (the successor sends it again).
+        let packet = window.data(connect_id, data).into();
+        let queued = tokio::select! {
+            biased;
+            () = stop_requested(&mut stream.stop) => None,
+            queued = stream.outbound.send(packet) => Some(queued),
+        };
+        match queued {
+            None => return ReaderEnd::Stopped { read, unsent: None },
+            Some(Err(_)) => return ReaderEnd::Ended,
+            Some(Ok(())) => {}
         }
     };
     stream.report_closed(error).await;
+    ReaderEnd::Ended
 }
 
 /// Writes what the server sends to the endpoint, returning flow-control
 /// credit as the bytes leave. Ends when the session drops the sender
 /// (CLOSE_REQ, or the stream ended) after writing what was queued.
-pub(crate) async fn pump_to_endpoint(mut write: OwnedWriteHalf, mut port: Port<Bytes>, stream: StreamHandle) {
+/// `in_hand`: a packet a predecessor was writing (its whole length, and the
+/// rest to write), written first.
+pub(crate) async fn pump_to_endpoint(
+    mut write: OwnedWriteHalf,
+    mut port: Port<Bytes>,
+    mut stream: StreamHandle,
+    mut in_hand: Option<(usize, Bytes)>,
+) -> WriterEnd {
     loop {
-        let chunk = match port.recv_or_quiet().await {
-            Waited::Arrived(Some(chunk)) => chunk,
-            Waited::Arrived(None) => break,
-            // With resume: the server may drop what it kept for replay.
-            Waited::Quiet(credit) => {
-                if stream
-                    .outbound
-                    .send(credit.frame(stream.connect_id).into())
-                    .await
-                    .is_err()
-                {
-                    return;
+        let (whole, mut rest) = match in_hand.take() {
+            Some(in_hand) => in_hand,
+            None => {
+                let waited = tokio::select! {
+                    biased;
+                    () = stop_requested(&mut stream.stop) => None,
+                    waited = port.recv_or_quiet() => Some(waited),
+                };
+                let Some(waited) = waited else {
+                    return WriterEnd::Stopped { write, in_hand: None };
+                };
+                match waited {
+                    Waited::Arrived(Some(chunk)) => (chunk.len(), chunk),
+                    Waited::Arrived(None) => break,
+                    // With resume: the server may drop what it kept for replay.
+                    Waited::Quiet(credit) => {
+                        if stream
+                            .outbound
+                            .send(credit.frame(stream.connect_id).into())
+                            .await
+                            .is_err()
+                        {
+                            return WriterEnd::Ended;
+                        }
+                        continue;
+                    }
                 }
-                continue;
             }
         };
-        if let Err(error) = write.write_all(&chunk).await {
-            stream.report_closed(Some(error.to_string())).await;
-            return;
+        // Written piece by piece, so that a hand-over can stop it between
+        // two writes and say exactly what is left.
+        while !rest.is_empty() {
+            let written = tokio::select! {
+                biased;
+                () = stop_requested(&mut stream.stop) => None,
+                written = write.write(&rest) => Some(written),
+            };
+            let Some(written) = written else {
+                return WriterEnd::Stopped {
+                    write,
+                    in_hand: Some((whole, rest)),
+                };
+            };
+            match written {
+                Ok(0) => {
+                    stream
+                        .report_closed(Some("write returned 0 bytes".to_owned()))
+                        .await;
+                    return WriterEnd::Ended;
+                }
+                Ok(n) => {
+                    stream.bytes.sent_to_target(n);
+                    bytes::Buf::advance(&mut rest, n);
+                }
+                Err(error) => {
+                    stream.report_closed(Some(error.to_string())).await;
+                    return WriterEnd::Ended;
+                }
+            }
         }
-        stream.bytes.sent_to_target(chunk.len());
-        if let Some(credit) = port.written(chunk.len()) {
+        if let Some(credit) = port.written(whole) {
             let update = credit.frame(stream.connect_id).into();
             if stream.outbound.send(update).await.is_err() {
-                return;
+                return WriterEnd::Ended;
             }
         }
     }
     let _ = write.shutdown().await;
+    WriterEnd::Ended
 }
 
 #[cfg(test)]
@@ -226,11 +353,13 @@ mod tests {
             outbound: outbound.clone(),
             closed,
             bytes: Arc::default(),
+            stop: None,
         };
         let pump = tokio::spawn(pump_from_endpoint(
             read,
             SendWindow::new(Extensions::FlowControl),
             stream,
+            None,
         ));
         target.write_all(b"0123456789").await.unwrap();
         let packet = packets.next().await.unwrap();

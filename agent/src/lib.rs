@@ -282,7 +282,24 @@ async fn serve(
         resolved: None,
         resume: !config.resume_timeout.is_zero(),
     };
+    // With the node role's hand-over socket, the egress sessions go to the
+    // successor with the rest (docs/handover.md, "Egress connections").
+    let egress_handover = config
+        .node
+        .as_ref()
+        .filter(|node| node.handover_socket.is_some())
+        .map(|_| {
+            let (inherited, arriving) = tokio::sync::mpsc::unbounded_channel();
+            let handover = konnectivity_node::sessions::EgressHandover {
+                handoff: konnectivity_node::capture::handoff::HandOff::new(),
+                inherited,
+            };
+            (handover, arriving)
+        });
     let settings = SessionSettings {
+        handoff: egress_handover
+            .as_ref()
+            .map(|(handover, _)| session::SessionHandOff(handover.handoff.clone())),
         dial_timeout: config.dial_timeout,
         endpoint_limit: konnectivity_plumbing::limit::Limit::from_flag(
             "max-endpoint-connections",
@@ -305,6 +322,7 @@ async fn serve(
     // On a worker thread of its own rather than in the caller's block_on:
     // every packet wakes this task, and workers wake each other cheaply.
     let backoff = Backoff::new(config.sync_interval, config.sync_interval_cap);
+    let (inherited_target, inherited_settings) = (target.clone(), settings.clone());
     let sync = servers::SyncSettings {
         probe_interval: config.probe_interval,
         sync_forever: config.sync_forever,
@@ -347,6 +365,20 @@ async fn serve(
         ))
     };
     let mut egress = AbortOnDrop(egress);
+    let (egress_handover, _inherited) = match egress_handover {
+        Some((handover, arriving)) => {
+            let inherited = tokio::spawn(servers::serve_inherited(
+                arriving,
+                inherited_target,
+                inherited_settings,
+                config.probe_interval,
+                metrics.clone(),
+                Backoff::new(config.sync_interval, config.sync_interval_cap),
+            ));
+            (Some(handover), Some(AbortOnDrop(inherited)))
+        }
+        None => (None, None),
+    };
     let _lease_count = lease_count;
     let (Some(node), Some(readiness)) = (&config.node, node_readiness) else {
         let _ = (&mut egress.0).await;
@@ -365,6 +397,7 @@ async fn serve(
         cni: node.cni.clone(),
         handover_socket: node.handover_socket.clone(),
         resume_timeout: config.resume_timeout,
+        egress: egress_handover,
     };
     let health = HealthService {
         addr: config.health_addr,

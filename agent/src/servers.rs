@@ -25,6 +25,7 @@ use tonic::transport::Channel;
 use crate::metrics::AgentMetrics;
 use crate::server_conn::{ConnectError, ServerStream, ServerTarget};
 use crate::session::{self, SessionSettings, StreamEnd};
+use konnectivity_node::sessions::{HandedSession, SessionState};
 use konnectivity_plumbing::backoff::Backoff;
 
 /// How often and how eagerly the agent re-checks its servers.
@@ -140,9 +141,10 @@ pub(crate) async fn serve(
     };
     let mut wanted = 0;
     loop {
-        if settings.stopping.as_ref().is_some_and(Watcher::is_signaled) {
-            // The agent is exiting: its sessions end their streams; no new
-            // stream is opened meanwhile.
+        if settings.stopping.as_ref().is_some_and(Watcher::is_signaled) || settings.handed_over() {
+            // The agent is exiting, or a successor took its sessions: the
+            // sessions left end their streams or drain; no new stream is
+            // opened meanwhile.
             std::future::pending::<()>().await;
         }
         while let Ok(report) = reports.try_recv() {
@@ -245,6 +247,118 @@ pub(crate) async fn serve(
     }
 }
 
+/// Serves the sessions the previous agent handed over (docs/handover.md,
+/// "Egress connections") as they arrive: each on a stream of its own to the
+/// server its token names, until its connections have all ended.
+pub(crate) async fn serve_inherited(
+    mut inherited: mpsc::UnboundedReceiver<HandedSession>,
+    target: ServerTarget,
+    settings: SessionSettings,
+    probe_interval: Duration,
+    metrics: Arc<AgentMetrics>,
+    backoff: Backoff,
+) {
+    let mut sessions = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            handed = inherited.recv() => match handed {
+                Some(handed) => {
+                    let retiring = retire(handed, target.clone(), settings.clone(), probe_interval, metrics.clone(), backoff.clone());
+                    sessions.spawn(retiring);
+                }
+                None => break,
+            },
+            Some(_) = sessions.join_next(), if !sessions.is_empty() => {}
+        }
+    }
+    while sessions.join_next().await.is_some() {}
+}
+
+/// Resumes one inherited session: dials, as the agent that opened it, until
+/// a stream reaches its server and resumes it (within `--resume-timeout`),
+/// again whenever that stream is lost, and serves it until it ends.
+async fn retire(
+    handed: HandedSession,
+    target: ServerTarget,
+    settings: SessionSettings,
+    probe_interval: Duration,
+    metrics: Arc<AgentMetrics>,
+    mut backoff: Backoff,
+) {
+    let state = handed.state.clone();
+    let target = ServerTarget {
+        agent_id: state.agent_id.clone(),
+        resume: true,
+        ..target
+    };
+    let target = match state.address {
+        Some(addr) => target.at(addr),
+        None => target,
+    };
+    let timeout = settings.resume_timeout;
+    let lost = Arc::new(tokio::sync::Notify::new());
+    let (attach, attachments) = mpsc::channel(1);
+    let resume = session::Resume {
+        timeout,
+        attachments,
+        on_lost: {
+            let lost = lost.clone();
+            Box::new(move || lost.notify_one())
+        },
+        handover: Some(state.clone()),
+    };
+    let span = tracing::info_span!("server stream", server_id = %state.server_id, handed_over = true);
+    let session = tracing::Instrument::instrument(
+        session::run_inherited(handed, settings, metrics.clone(), resume),
+        span.clone(),
+    );
+    tokio::pin!(session);
+    // Probes' server counts have nowhere to go: this stream is not counted.
+    let (reports, _) = mpsc::unbounded_channel();
+    let dialing = async move {
+        loop {
+            let deadline = Instant::now() + timeout;
+            loop {
+                match target.connect(&metrics, std::slice::from_ref(&state.token)).await {
+                    Ok(stream) if stream.resumed && stream.server_id == state.server_id => {
+                        let _ = attach
+                            .send(attached(stream, &target, probe_interval, &reports))
+                            .await;
+                        backoff.reset();
+                        break;
+                    }
+                    // Another server behind the address: this one ends with
+                    // STREAM_END as it drops, and the address is dialed again.
+                    Ok(stream) => {
+                        tracing::debug!(server_id = %stream.server_id, "reached another server than the handed session's; dialing again")
+                    }
+                    Err(ConnectError::ResumeRefused { .. }) => {
+                        tracing::warn!(
+                            "proxy-server refused to resume the session handed over; its connections close"
+                        );
+                        return;
+                    }
+                    Err(error) => log_connect_failure(&target, &error),
+                }
+                if Instant::now() >= deadline {
+                    return;
+                }
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+            lost.notified().await;
+        }
+    };
+    let reason = tokio::select! {
+        reason = &mut session => reason,
+        // Given up: the session ends as its attachments close.
+        () = dialing => session.await,
+    };
+    span.in_scope(|| match &reason {
+        StreamEnd::Failed(_) => tracing::warn!(%reason, "session handed over by the previous agent ended"),
+        _ => tracing::info!(%reason, "session handed over by the previous agent ended"),
+    });
+}
+
 /// The agent's flags, named when its connection to a server fails.
 pub(crate) const AGENT_TLS_FLAGS: konnectivity_plumbing::tls::ClientFlags =
     konnectivity_plumbing::tls::ClientFlags {
@@ -318,9 +432,10 @@ pub(crate) async fn serve_each(
     let mut slots: BTreeMap<SocketAddr, Slot> = BTreeMap::new();
     let mut next_lookup = Instant::now();
     loop {
-        if settings.stopping.as_ref().is_some_and(Watcher::is_signaled) {
-            // The agent is exiting: its sessions end their streams; no new
-            // stream is opened meanwhile.
+        if settings.stopping.as_ref().is_some_and(Watcher::is_signaled) || settings.handed_over() {
+            // The agent is exiting, or a successor took its sessions: the
+            // sessions left end their streams or drain; no new stream is
+            // opened meanwhile.
             std::future::pending::<()>().await;
         }
         let now = Instant::now();
@@ -513,13 +628,20 @@ fn start_session(
     let server_id = stream.server_id.clone();
     let (attach, attachments) = mpsc::channel(1);
     let resume_token = stream.resume_token.clone().filter(|_| extensions.resume());
-    let resume = resume_token.as_ref().map(|_| {
+    let resume = resume_token.as_ref().map(|token| {
         let (reports, key) = (reports.clone(), key.clone());
         session::Resume {
             timeout: settings.resume_timeout,
             attachments,
             on_lost: Box::new(move || {
                 let _ = reports.send(Report::Lost(key.clone()));
+            }),
+            handover: Some(SessionState {
+                server_id: server_id.clone(),
+                token: token.clone(),
+                agent_id: target.agent_id.clone(),
+                address: target.resolved,
+                next_connect_id: 0,
             }),
         }
     });
@@ -546,7 +668,10 @@ fn start_session(
                 StreamEnd::Failed(_) => {
                     tracing::warn!(%reason, "lost proxy-server stream")
                 }
-                StreamEnd::Stopping => tracing::info!(%reason, "proxy-server stream ended"),
+                StreamEnd::Stopping | StreamEnd::Retired => {
+                    tracing::info!(%reason, "proxy-server stream ended")
+                }
+                StreamEnd::HandedOver => tracing::info!(%reason, "proxy-server stream handed over"),
             }
             let _ = reports.send(Report::Ended(key));
         },

@@ -15,16 +15,18 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use konnectivity_mux::outbound::{Ahead, Outbound, Writer};
 use konnectivity_mux::{Connections, Delivery, Extensions};
+use konnectivity_node::capture::handoff::{Carried, HandOff};
+use konnectivity_node::sessions::{EndpointState, HandedEndpoint, HandedSession, SessionState};
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::limit::{Limit, Slot};
 use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet, PacketType, ResumeEntry};
 use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot};
-use tokio::task::AbortHandle;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::{AbortHandle, JoinHandle};
 use tracing::Instrument;
 
-use crate::endpoint::{self, DialError, EndpointClosed};
+use crate::endpoint::{self, DialError, EndpointClosed, ReaderEnd, WriterEnd};
 use crate::metrics::{AgentMetrics, Segment, ServerDirection};
 use konnectivity_telemetry::metrics::{EndReason, TunnelBytes, TunnelRecord};
 
@@ -50,6 +52,8 @@ pub(crate) enum TunnelEnd {
     ProtocolError,
     /// The stream to the server ended: the server went away, or this agent stopped.
     ServerGone,
+    /// Handed, with its session, to the agent that replaced this one.
+    HandedOver,
 }
 
 impl EndReason for TunnelEnd {
@@ -63,6 +67,7 @@ impl EndReason for TunnelEnd {
             TunnelEnd::TargetError => "target_error",
             TunnelEnd::ProtocolError => "protocol_error",
             TunnelEnd::ServerGone => "server_gone",
+            TunnelEnd::HandedOver => "handed_over",
         }
     }
 }
@@ -100,11 +105,36 @@ pub struct SessionSettings {
     /// Signalled when the agent exits: the session ends its stream cleanly,
     /// so the server does not wait for a resume.
     pub stopping: Option<Watcher>,
+    /// With the node role: where a successor's request for the sessions
+    /// comes from (docs/handover.md, "Egress connections").
+    pub handoff: Option<SessionHandOff>,
+}
+
+impl SessionSettings {
+    /// A successor asked for this agent's sessions: it opens no new stream.
+    pub(crate) fn handed_over(&self) -> bool {
+        self.handoff
+            .as_ref()
+            .is_some_and(|handoff| *handoff.0.signal().borrow())
+    }
+}
+
+/// The hand-over of egress sessions, as the node role runs it.
+#[derive(Clone)]
+pub struct SessionHandOff(pub Arc<HandOff<HandedSession>>);
+
+impl std::fmt::Debug for SessionHandOff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionHandOff")
+    }
 }
 
 /// What the session keeps with each endpoint connection in its table.
 struct Endpoint {
-    reader: AbortHandle,
+    reader: JoinHandle<ReaderEnd>,
+    /// Ends by itself once the route is dropped, after flushing what was
+    /// queued; awaited only by a hand-over.
+    writer: JoinHandle<WriterEnd>,
     /// Counts and logs the tunnel's end; it stays `ServerGone` when the
     /// session drops the table.
     life: TunnelRecord<TunnelEnd>,
@@ -147,6 +177,11 @@ struct Session {
     /// The server sent STREAM_END on the stream served now: its end is not
     /// a loss (with resume, an end without it is).
     peer_ended: bool,
+    /// Tells every endpoint's tasks to stop for a hand-over.
+    stop_endpoints: watch::Sender<bool>,
+    /// A session a predecessor handed over: it serves only what it was
+    /// given, and ends its stream once all of that has ended.
+    retiring: bool,
 }
 
 struct Handshake {
@@ -157,6 +192,58 @@ struct Handshake {
 
 /// The outbound queue to the server is gone: the stream has ended.
 struct StreamGone;
+
+/// An endpoint to start: a dialed one, or one handed over.
+struct StartEndpoint {
+    connect_id: ConnectId,
+    stream: TcpStream,
+    connection: (
+        konnectivity_mux::Route<Bytes>,
+        konnectivity_mux::Port<Bytes>,
+        konnectivity_mux::flow::SendWindow,
+    ),
+    tunnel: tracing::Span,
+    slot: Option<Slot>,
+    /// Read by the predecessor, not yet sent.
+    unsent: Option<Bytes>,
+    /// A packet the predecessor was writing: its length, the rest to write.
+    in_hand: Option<(usize, Bytes)>,
+}
+
+/// One connection of a session handed over: `closing` carries the close's
+/// error when this side closed it (and no socket goes).
+fn handed_endpoint(
+    connect_id: ConnectId,
+    position: konnectivity_mux::Position,
+    unsent: Option<Bytes>,
+    in_hand: Option<(usize, Bytes)>,
+    socket: Option<std::os::fd::OwnedFd>,
+    closing: Option<Option<String>>,
+) -> HandedEndpoint {
+    let unsent = unsent.unwrap_or_default();
+    let (in_hand, in_hand_rest) = in_hand.unwrap_or_default();
+    let mut data = bytes::BytesMut::new();
+    for packet in &position.unacknowledged {
+        data.extend_from_slice(packet);
+    }
+    data.extend_from_slice(&unsent);
+    data.extend_from_slice(&in_hand_rest);
+    HandedEndpoint {
+        state: EndpointState {
+            connect_id: connect_id.get(),
+            acknowledged: position.acknowledged,
+            unacknowledged: position.unacknowledged.iter().map(Bytes::len).collect(),
+            unsent: unsent.len(),
+            written: position.written,
+            in_hand,
+            in_hand_rest: in_hand_rest.len(),
+            closing: closing.is_some(),
+            error: closing.flatten(),
+        },
+        data: data.freeze(),
+        socket,
+    }
+}
 
 /// Packets queued towards the server.
 const OUTBOUND_QUEUE: usize = 256;
@@ -195,6 +282,9 @@ pub struct Resume {
     pub attachments: mpsc::Receiver<Attached>,
     /// Called when the stream is lost, so the agent dials again at once.
     pub on_lost: Box<dyn Fn() + Send>,
+    /// What a successor needs to resume the session (its next connection
+    /// id filled in when it is handed over); `None` when it cannot be.
+    pub handover: Option<SessionState>,
 }
 
 /// Why a server stream ended.
@@ -208,6 +298,10 @@ pub enum StreamEnd {
     Failed(String),
     /// The agent is exiting: it ended the stream.
     Stopping,
+    /// The session went to the agent that replaced this one.
+    HandedOver,
+    /// A session handed over by the previous agent: all it carried ended.
+    Retired,
 }
 
 impl std::fmt::Display for StreamEnd {
@@ -216,6 +310,8 @@ impl std::fmt::Display for StreamEnd {
             StreamEnd::ServerWentAway(how) => f.write_str(how),
             StreamEnd::Failed(why) => f.write_str(why),
             StreamEnd::Stopping => f.write_str("the agent is exiting"),
+            StreamEnd::HandedOver => f.write_str("handed to the agent that replaced this one"),
+            StreamEnd::Retired => f.write_str("every connection handed over by the previous agent ended"),
         }
     }
 }
@@ -238,6 +334,9 @@ enum Served {
     /// The stream failed (reset, timeout, a failed probe): with resume, its
     /// connections wait for another.
     Lost(StreamEnd),
+    /// A successor asked for the session, and it stopped where its state is
+    /// whole.
+    Handing,
 }
 
 /// Serves one server stream until it ends (with resume, the streams that
@@ -249,11 +348,70 @@ pub async fn run(
     settings: SessionSettings,
     metrics: Arc<AgentMetrics>,
     drain: Watcher,
+    resume: Option<Resume>,
+) -> StreamEnd {
+    run_from(Start::Fresh(first), extensions, settings, metrics, drain, resume).await
+}
+
+/// Serves a session the previous agent handed over (docs/handover.md,
+/// "Egress connections"): its connections run at once, its stream resumes
+/// on the first stream `resume` attaches, and it drains: it carries only
+/// what it was given, and ends its stream once all of that has ended.
+pub async fn run_inherited(
+    handed: HandedSession,
+    settings: SessionSettings,
+    metrics: Arc<AgentMetrics>,
+    resume: Resume,
+) -> StreamEnd {
+    let (drain, drained) = konnectivity_plumbing::lifecycle::channel();
+    drain.signal();
+    run_from(
+        Start::Inherited(handed),
+        Extensions::Resume,
+        settings,
+        metrics,
+        drained,
+        Some(resume),
+    )
+    .await
+}
+
+/// How a session begins.
+enum Start {
+    /// On a stream that has just opened.
+    Fresh(Attached),
+    /// With what a predecessor handed over, detached until its stream resumes.
+    Inherited(HandedSession),
+}
+
+/// Where a session stands with a successor's request for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Handing {
+    /// Not asked (or it cannot be handed over).
+    Idle,
+    /// Asked: DRAIN went out; the session serves on until the dials the
+    /// server sent before it arrived and finished, checking at `check_at`.
+    Settling { check_at: tokio::time::Instant },
+    /// Too late to be taken: it drains here.
+    Declined,
+}
+
+/// How long a session asked for serves on after its DRAIN, so that dials
+/// the server sent before it still arrive here and finish.
+const SETTLE: Duration = Duration::from_millis(100);
+
+async fn run_from(
+    start: Start,
+    extensions: Extensions,
+    settings: SessionSettings,
+    metrics: Arc<AgentMetrics>,
+    drain: Watcher,
     mut resume: Option<Resume>,
 ) -> StreamEnd {
     let (dialed_tx, mut dialed_rx) = mpsc::channel(64);
     let (closed_tx, mut closed_rx) = mpsc::channel(64);
     let outbound = konnectivity_mux::outbound::outbound(OUTBOUND_QUEUE);
+    let handoff = settings.handoff.clone();
     let mut session = Session {
         settings,
         metrics,
@@ -267,23 +425,102 @@ pub async fn run(
         detached: false,
         handshake: None,
         peer_ended: false,
+        stop_endpoints: watch::Sender::new(false),
+        retiring: false,
     };
-    let mut attached = first;
-    let _ = take_body(&mut attached).send(session.outbound.attach());
+    // Counted by the hand-over while it lives: a session that can resume
+    // is asked for, one that cannot stays and drains.
+    let resumable = extensions.resume()
+        && resume
+            .as_ref()
+            .is_some_and(|resume| resume.handover.is_some() && !resume.timeout.is_zero());
+    let mut carried: Option<Carried<HandedSession>> =
+        handoff.as_ref().map(|handoff| handoff.0.carry(resumable));
+    let handing_signal = match (&handoff, resumable) {
+        (Some(handoff), true) => Some(handoff.0.signal()),
+        _ => None,
+    };
+    let mut handing = Handing::Idle;
+    let mut attached = match start {
+        Start::Fresh(mut attached) => {
+            let _ = take_body(&mut attached).send(session.outbound.attach());
+            attached
+        }
+        Start::Inherited(handed) => {
+            session.retiring = true;
+            session.restore(handed);
+            session.detached = true;
+            let resume = resume.as_mut().expect("an inherited session resumes");
+            let resumed_at = Instant::now();
+            match session
+                .wait_detached(resume, &mut dialed_rx, &mut closed_rx)
+                .await
+            {
+                Some(mut attached) => {
+                    session.attach(&mut attached, resumed_at);
+                    attached
+                }
+                None => {
+                    let closed = session.endpoints.len();
+                    session.outbound.close();
+                    return StreamEnd::Failed(format!(
+                        "the session handed over by the previous agent was not resumed within {:?} \
+                         (--resume-timeout); its {closed} connections closed",
+                        resume.timeout
+                    ));
+                }
+            }
+        }
+    };
     let reason = loop {
         // Counted while a stream is attached, not while one is awaited.
         let open = GaugeGuard::new(&session.metrics.open_server_connections);
         let served = session
-            .serve(&mut attached, &mut dialed_rx, &mut closed_rx, &drain)
+            .serve(
+                &mut attached,
+                &mut dialed_rx,
+                &mut closed_rx,
+                &drain,
+                (&handing_signal, &mut handing),
+            )
             .await;
-        session.abandon_dials();
         let reason = match served {
+            Served::Handing => {
+                let promised = handoff.as_ref().is_some_and(|handoff| handoff.0.promise());
+                let state = resume.as_ref().and_then(|resume| resume.handover.clone());
+                match (promised, carried.take(), state) {
+                    (true, Some(carried), Some(state)) => {
+                        let handed = session.hand_over(state, &mut closed_rx).await;
+                        carried.give(handed);
+                        // Nothing more goes out on the stream, and it is not
+                        // ended: the successor's resume supersedes it.
+                        session.outbound.detach();
+                        return StreamEnd::HandedOver;
+                    }
+                    (_, still_carried, _) => {
+                        carried = still_carried;
+                        handing = Handing::Declined;
+                        continue;
+                    }
+                }
+            }
+            served => {
+                session.abandon_dials();
+                served
+            }
+        };
+        let reason = match reason {
             Served::Ended(StreamEnd::Stopping) => {
                 session.farewell(&mut attached).await;
                 break StreamEnd::Stopping;
             }
+            Served::Ended(StreamEnd::Retired) => {
+                session.farewell(&mut attached).await;
+                break StreamEnd::Retired;
+            }
             Served::Ended(reason) => break reason,
             Served::Lost(reason) => reason,
+            Served::Handing => unreachable!("handled above"),
         };
         drop(open);
         let Some(resume) = resume.as_mut().filter(|resume| !resume.timeout.is_zero()) else {
@@ -332,6 +569,16 @@ pub async fn run(
     reason
 }
 
+/// Resolves once `signal` says a successor asks; never without one.
+async fn handing_requested(signal: Option<watch::Receiver<bool>>) {
+    if let Some(mut signal) = signal
+        && signal.wait_for(|asked| *asked).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
+}
+
 impl Session {
     /// Serves one attached stream until it ends.
     async fn serve(
@@ -340,6 +587,7 @@ impl Session {
         dialed_rx: &mut mpsc::Receiver<Dialed>,
         closed_rx: &mut mpsc::Receiver<EndpointClosed>,
         drain: &Watcher,
+        (handing_signal, handing): (&Option<watch::Receiver<bool>>, &mut Handing),
     ) -> Served {
         use futures_util::StreamExt;
 
@@ -349,9 +597,40 @@ impl Session {
         tokio::pin!(drain_signaled);
         let stopping = stopping(self.settings.stopping.clone());
         tokio::pin!(stopping);
+        let asked = handing_requested(handing_signal.clone());
+        tokio::pin!(asked);
         let mut drained = false;
         loop {
+            if self.retiring
+                && self.endpoints.is_empty()
+                && self.endpoints.closing_len() == 0
+                && self.dials.is_empty()
+                && self.handshake.is_none()
+            {
+                return Served::Ended(StreamEnd::Retired);
+            }
+            let settling = match *handing {
+                Handing::Settling { check_at } => Some(check_at),
+                _ => None,
+            };
             let step = tokio::select! {
+                () = &mut asked, if *handing == Handing::Idle => {
+                    *handing = Handing::Settling { check_at: tokio::time::Instant::now() + SETTLE };
+                    match drained {
+                        true => Ok(()),
+                        false => {
+                            drained = true;
+                            self.send(Frame::Drain).await
+                        }
+                    }
+                }
+                () = tokio::time::sleep_until(settling.unwrap_or_else(tokio::time::Instant::now)), if settling.is_some() => {
+                    if self.dials.is_empty() && self.handshake.is_none() {
+                        return Served::Handing;
+                    }
+                    *handing = Handing::Settling { check_at: tokio::time::Instant::now() + Duration::from_millis(10) };
+                    Ok(())
+                }
                 Some(dialed) = dialed_rx.recv() => self.on_dialed(dialed).await,
                 Some(closed) = closed_rx.recv() => self.on_endpoint_closed(closed).await,
                 () = &mut drain_signaled, if !drained => {
@@ -742,33 +1021,201 @@ impl Session {
             return Err(gone);
         }
         tunnel.record("connect_id", tracing::field::display(connect_id));
+        let connection = konnectivity_mux::connection(self.extensions);
+        let started = StartEndpoint {
+            connect_id,
+            stream,
+            connection,
+            tunnel,
+            slot: dialed.slot,
+            unsent: None,
+            in_hand: None,
+        };
+        self.start_endpoint(started);
+        Ok(())
+    }
+
+    /// Starts an endpoint's two tasks and puts it in the table.
+    fn start_endpoint(&mut self, start: StartEndpoint) {
+        let StartEndpoint {
+            connect_id,
+            stream,
+            connection: (route, port, send_window),
+            tunnel,
+            slot,
+            unsent,
+            in_hand,
+        } = start;
         let bytes = Arc::new(TunnelBytes::default());
         let (read, write) = stream.into_split();
-        let (route, port, send_window) = konnectivity_mux::connection(self.extensions);
         let stream = endpoint::StreamHandle {
             connect_id,
             outbound: self.outbound.clone(),
             closed: self.closed_tx.clone(),
             bytes: bytes.clone(),
+            stop: self
+                .settings
+                .handoff
+                .as_ref()
+                .map(|_| self.stop_endpoints.subscribe()),
         };
-        let writer = endpoint::pump_to_endpoint(write, port, stream.clone());
-        tokio::spawn(writer.instrument(tunnel.clone()));
-        let reader = endpoint::pump_from_endpoint(read, send_window, stream);
+        let writer = endpoint::pump_to_endpoint(write, port, stream.clone(), in_hand);
+        let writer = tokio::spawn(writer.instrument(tunnel.clone()));
+        let reader = endpoint::pump_from_endpoint(read, send_window, stream, unsent);
         let reader = tokio::spawn(reader.instrument(tunnel.clone()));
         self.endpoints.insert(
             connect_id,
             route,
             Endpoint {
-                reader: reader.abort_handle(),
+                reader,
+                writer,
                 life: self
                     .metrics
                     .tunnels_ended
                     .established(tunnel, bytes, TunnelEnd::ServerGone),
                 _gauge: GaugeGuard::new(&self.metrics.open_endpoint_connections),
-                _slot: dialed.slot,
+                _slot: slot,
             },
         );
-        Ok(())
+    }
+
+    /// Stops every endpoint where its state is whole and takes the session
+    /// apart for the successor: each connection's socket and where it
+    /// stands, and the connections closed here and not yet confirmed.
+    async fn hand_over(
+        &mut self,
+        mut state: SessionState,
+        closed_rx: &mut mpsc::Receiver<EndpointClosed>,
+    ) -> HandedSession {
+        // Closes reported before the stop: the successor finishes them.
+        while let Ok(closed) = closed_rx.try_recv() {
+            let _ = self.on_endpoint_closed(closed).await;
+        }
+        self.stop_endpoints.send_replace(true);
+        let mut stopped = Vec::with_capacity(self.endpoints.len());
+        for (connect_id, mut entry) in self.endpoints.take_open() {
+            let reader = (&mut entry.state.reader).await;
+            let writer = (&mut entry.state.writer).await;
+            stopped.push((connect_id, entry, reader, writer));
+        }
+        // Closes reported while stopping: those endpoints go as closing.
+        let mut closed_now = HashMap::new();
+        while let Ok(closed) = closed_rx.try_recv() {
+            closed_now.insert(closed.connect_id, closed.error);
+        }
+        let mut endpoints = Vec::with_capacity(stopped.len() + self.endpoints.closing_len());
+        for (connect_id, mut entry, reader, writer) in stopped {
+            let position = entry.route.position().unwrap_or(konnectivity_mux::Position {
+                written: 0,
+                acknowledged: 0,
+                unacknowledged: Vec::new(),
+            });
+            let halves = match (reader, writer) {
+                (Ok(ReaderEnd::Stopped { read, unsent }), Ok(WriterEnd::Stopped { write, in_hand })) => read
+                    .reunite(write)
+                    .ok()
+                    .and_then(|stream| stream.into_std().ok())
+                    .map(|stream| (std::os::fd::OwnedFd::from(stream), unsent, in_hand)),
+                _ => None,
+            };
+            let handed = match halves {
+                Some((socket, unsent, in_hand)) => {
+                    entry.state.life.set_end(TunnelEnd::HandedOver);
+                    handed_endpoint(connect_id, position, unsent, in_hand, Some(socket), None)
+                }
+                // It ended while stopping: the successor closes it at the server.
+                None => {
+                    let error = closed_now.remove(&connect_id).flatten();
+                    let reason = match error {
+                        Some(_) => TunnelEnd::TargetError,
+                        None => TunnelEnd::TargetClosed,
+                    };
+                    entry.state.life.set_end(reason);
+                    let position = konnectivity_mux::Position {
+                        written: 0,
+                        ..position
+                    };
+                    handed_endpoint(connect_id, position, None, None, None, Some(error))
+                }
+            };
+            endpoints.push(handed);
+        }
+        for closing in self.endpoints.take_closing() {
+            let (acknowledged, unacknowledged) = closing.sent.unwrap_or_default();
+            let position = konnectivity_mux::Position {
+                written: 0,
+                acknowledged,
+                unacknowledged,
+            };
+            endpoints.push(handed_endpoint(
+                closing.id,
+                position,
+                None,
+                None,
+                None,
+                Some(closing.error),
+            ));
+        }
+        state.next_connect_id = self.next_connect_id.get();
+        HandedSession { state, endpoints }
+    }
+
+    /// Takes in a session a predecessor handed over: its connections start
+    /// at once (what they send waits for the resume), those it was closing
+    /// stay closing. A connection whose state does not add up is reset.
+    fn restore(&mut self, handed: HandedSession) {
+        if let Some(next) = ConnectId::new(handed.state.next_connect_id) {
+            self.next_connect_id = next;
+        }
+        for endpoint in handed.endpoints {
+            let (Some(parts), Some(connect_id)) =
+                (endpoint.parts(), ConnectId::new(endpoint.state.connect_id))
+            else {
+                tracing::warn!(state = ?endpoint.state, "a connection handed over does not add up; reset");
+                if let Some(socket) = endpoint.socket {
+                    konnectivity_node::sessions::reset(socket);
+                }
+                continue;
+            };
+            let state = &endpoint.state;
+            let sent = (state.acknowledged, parts.unacknowledged);
+            let Some(socket) = endpoint.socket.filter(|_| !state.closing) else {
+                self.endpoints.insert_closing(konnectivity_mux::ClosingPosition {
+                    id: connect_id,
+                    error: state.error.clone(),
+                    sent: Some(sent),
+                });
+                continue;
+            };
+            let stream = std::net::TcpStream::from(socket);
+            let stream = match stream
+                .set_nonblocking(true)
+                .and_then(|()| TcpStream::from_std(stream))
+            {
+                Ok(stream) => stream,
+                Err(error) => {
+                    tracing::warn!(%connect_id, %error, "a connection handed over cannot be served; closed");
+                    continue;
+                }
+            };
+            let window = konnectivity_mux::flow::SendWindow::restored(sent.0, sent.1);
+            let connection = konnectivity_mux::restored_connection(state.written, state.in_hand, window);
+            let slot = self
+                .settings
+                .endpoint_limit
+                .as_ref()
+                .and_then(|limit| limit.take("endpoint connection").ok());
+            let tunnel = tracing::debug_span!("tunnel", %connect_id, handed_over = true);
+            self.start_endpoint(StartEndpoint {
+                connect_id,
+                stream,
+                connection,
+                tunnel,
+                slot,
+                unsent: (!parts.unsent.is_empty()).then_some(parts.unsent),
+                in_hand: (state.in_hand > 0).then_some((state.in_hand, parts.in_hand_rest)),
+            });
+        }
     }
 
     /// Removes an endpoint from the table because of `reason`; whether it was there.

@@ -274,6 +274,7 @@ fn agent_settings() -> konnectivity_agent::hooks::SessionSettings {
         mark: None,
         resume_timeout: Duration::ZERO,
         stopping: None,
+        handoff: None,
     }
 }
 

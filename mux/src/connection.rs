@@ -43,6 +43,55 @@ pub fn connection<M>(extensions: Extensions) -> (Route<M>, Port<M>, SendWindow) 
     (route, Port { from_stream, credit }, window)
 }
 
+/// One connection's route, port and send window continuing what another
+/// process kept (a hand-over, docs/handover.md): it had written out
+/// `written` bytes of the peer's, and holds `in_hand` more, received whole
+/// and not yet written (the rest of a packet it was writing); `window`
+/// continues its sending side ([`SendWindow::restored`]). On the resume the
+/// peer hears both: it sends again from `written + in_hand`, and the
+/// consumer returns `in_hand` as credit once it has written those bytes.
+pub fn restored_connection<M>(
+    written: u64,
+    in_hand: usize,
+    window: SendWindow,
+) -> (Route<M>, Port<M>, SendWindow) {
+    let (to_consumer, from_stream) = mailbox();
+    let (gate, credit) = flow::receive_window_from(written);
+    if in_hand > 0 {
+        // Counted in the window as the predecessor counted it.
+        let _ = gate.admit_negotiated(in_hand);
+    }
+    let route = Route {
+        to_consumer,
+        gate,
+        window: window.clone(),
+        received: Some(written + in_hand as u64),
+    };
+    (route, Port { from_stream, credit }, window)
+}
+
+/// What a connection's table entry holds to hand over: where its two
+/// directions stand.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Position {
+    /// The peer's bytes written out here (acknowledged or about to be).
+    pub written: u64,
+    /// The peer has written out this many of ours...
+    pub acknowledged: u64,
+    /// ...and these packets were sent after them, unacknowledged.
+    pub unacknowledged: Vec<Bytes>,
+}
+
+/// A connection this side closed and the peer has not confirmed, to hand
+/// over: why, and what it sent that may still be needed.
+#[derive(Debug)]
+pub struct ClosingPosition {
+    pub id: ConnectId,
+    pub error: Option<String>,
+    /// With resume: the peer's acknowledged bytes and the packets after.
+    pub sent: Option<(u64, Vec<Bytes>)>,
+}
+
 /// The session's end of a connection. Dropping it ends the connection for
 /// the consumer (its channel closes) and for the producer (a wait for send
 /// credit ends with [`flow::WindowClosed`]).
@@ -62,6 +111,17 @@ impl<M> Route<M> {
     /// the consumer is still there.
     pub fn send(&self, message: M) -> bool {
         self.to_consumer.send(message).is_ok()
+    }
+
+    /// Where the connection stands, to hand it over; `None` unless it can
+    /// resume. Read once its consumer and producer have stopped.
+    pub fn position(&self) -> Option<Position> {
+        let (acknowledged, unacknowledged) = self.window.position()?;
+        Some(Position {
+            written: self.gate.written(),
+            acknowledged,
+            unacknowledged,
+        })
     }
 }
 
@@ -242,6 +302,34 @@ impl<M: From<Bytes>, S> Connections<M, S> {
         let error = error.filter(|_| resumable);
         self.closing.insert(id, Closing { window, error });
         Some(entry)
+    }
+
+    /// Adds a connection this side closed in another process, unconfirmed
+    /// when it was handed over ([`Connections::take_closing`]).
+    pub fn insert_closing(&mut self, closing: ClosingPosition) {
+        let window = closing
+            .sent
+            .map(|(acknowledged, packets)| SendWindow::restored(acknowledged, packets));
+        let error = closing.error;
+        self.closing.insert(closing.id, Closing { window, error });
+    }
+
+    /// Takes out every connection this side closed and the peer has not
+    /// confirmed, to hand them over.
+    pub fn take_closing(&mut self) -> Vec<ClosingPosition> {
+        self.closing
+            .drain()
+            .map(|(id, closing)| ClosingPosition {
+                id,
+                sent: closing.window.and_then(|window| window.position()),
+                error: closing.error,
+            })
+            .collect()
+    }
+
+    /// Takes out every open connection, to hand them over.
+    pub fn take_open(&mut self) -> Vec<(ConnectId, Entry<M, S>)> {
+        self.entries.drain().collect()
     }
 
     /// Marks `id` closed by this side even though it is not in the table
@@ -485,6 +573,80 @@ mod tests {
 
     fn id(n: i64) -> ConnectId {
         ConnectId::new(n).unwrap()
+    }
+
+    /// A connection handed to another process mid-way (a packet sent and
+    /// not acknowledged, a packet from the peer half written) resumes there
+    /// exactly: the peer sends again from the end of the packet in hand,
+    /// and this side sends again what the peer lacks.
+    #[tokio::test]
+    async fn a_connection_handed_over_resumes_where_its_predecessor_stood() {
+        let mut agent: Connections<Bytes, ()> = Connections::default();
+        let mut server: Connections<Bytes, ()> = Connections::default();
+        let (route, mut port, window) = connection(Extensions::Resume);
+        agent.insert(id(1), route, ());
+        let (server_route, _server_port, server_window) = connection(Extensions::Resume);
+        server.insert(id(1), server_route, ());
+        // The agent sends three packets; the server receives only the first.
+        let mut sent = Vec::new();
+        for data in ["aaa", "bb", "c"] {
+            window.reserve(data.len()).await.unwrap();
+            sent.push(window.data(id(1), Bytes::from(data)));
+        }
+        let Frame::Data { data, offset, .. } = sent[0].clone() else {
+            unreachable!()
+        };
+        assert!(matches!(
+            server.deliver(id(1), data, offset, || ()).await,
+            Delivery::Delivered
+        ));
+        // The server sends two; the agent writes the first and holds the second.
+        for data in ["xyz", "12"] {
+            server_window.reserve(data.len()).await.unwrap();
+            let Frame::Data { data, offset, .. } = server_window.data(id(1), Bytes::from(data)) else {
+                unreachable!()
+            };
+            assert!(matches!(
+                agent.deliver(id(1), data, offset, || ()).await,
+                Delivery::Delivered
+            ));
+        }
+        assert_eq!(port.recv().await.unwrap(), "xyz");
+        let _ = port.written(3);
+        let in_hand = port.recv().await.unwrap();
+
+        let mut taken = agent.take_open();
+        assert_eq!(taken.len(), 1);
+        let (taken_id, entry) = taken.pop().unwrap();
+        let position = entry.route.position().unwrap();
+        assert_eq!((position.written, position.acknowledged), (3, 0));
+        assert_eq!(position.unacknowledged, ["aaa", "bb", "c"]);
+        drop((entry, port));
+
+        let mut successor: Connections<Bytes, ()> = Connections::default();
+        let window = SendWindow::restored(position.acknowledged, position.unacknowledged);
+        let (route, mut port, _window) = restored_connection(position.written, in_hand.len(), window);
+        successor.insert(taken_id, route, ());
+        let ours = successor.resume_list();
+        assert_eq!((ours[0].received, ours[0].written), (5, 3));
+        let plan = server.resume(&ours);
+        assert!(
+            plan.resend.is_empty(),
+            "the server sends again from the end of the packet in hand"
+        );
+        let plan = successor.resume(&server.resume_list());
+        let resent: Vec<_> = plan
+            .resend
+            .iter()
+            .map(|frame| match frame {
+                Frame::Data { data, offset, .. } => (offset.unwrap(), data.clone()),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(resent, [(3, Bytes::from("bb")), (5, Bytes::from("c"))]);
+        // The packet in hand, once written, counts.
+        let _ = port.written(in_hand.len());
+        assert_eq!(successor.resume_list()[0].written, 5);
     }
 
     #[tokio::test]

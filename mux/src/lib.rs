@@ -21,6 +21,9 @@ mod mailbox;
 pub mod outbound;
 pub mod replay;
 
-pub use connection::{Connections, Delivery, Entry, Port, RecvOrQuiet, ResumePlan, Route, connection};
+pub use connection::{
+    ClosingPosition, Connections, Delivery, Entry, Port, Position, RecvOrQuiet, ResumePlan, Route,
+    connection, restored_connection,
+};
 pub use extensions::Extensions;
 pub use flow::Waited;

@@ -17,7 +17,10 @@
 //! every established captured connection it can resume: each one's socket
 //! with its state (`connection`, then the bytes the state counts, in raw
 //! packets), before `released`. An agent of an earlier version ignores the
-//! request and sends none: those connections drain with it, as before.
+//! request and sends none: those connections drain with it, as before. A
+//! successor that asks for `sessions` gets the egress sessions the same way
+//! (`session`, then each of its connections as `endpoint`:
+//! [`crate::sessions`]) after the captured connections.
 //!
 //! The ownership lock (`PATH.lock`, flock) is what makes an agent the owner
 //! of the rules: only its holder may remove them, and an agent that starts
@@ -35,6 +38,7 @@ use socket2::{Domain, SockAddr, Socket, Type};
 use crate::capture::handoff::{ConnectionState, HandedConnection};
 use crate::capture::listener::reset;
 use crate::pods::state::PodState;
+use crate::sessions::{EndpointState, HandedEndpoint, HandedSession, SessionState};
 
 /// The protocol's version; a predecessor that speaks another refuses.
 const VERSION: u32 = 1;
@@ -87,6 +91,9 @@ enum Packet {
         version: u32,
         #[serde(default)]
         connections: bool,
+        /// The egress sessions too (absent from earlier versions' hellos).
+        #[serde(default)]
+        sessions: bool,
     },
     /// Predecessor: one listening socket (one descriptor).
     Socket { role: Role },
@@ -102,6 +109,13 @@ enum Packet {
     /// lengths of its `packets` unacknowledged packets (4 bytes each, little
     /// endian), then the bytes its state counts.
     Connection { state: ConnectionState, packets: usize },
+    /// Predecessor, after the connections: an egress session, followed by
+    /// its `endpoints` connections.
+    Session { state: SessionState, endpoints: usize },
+    /// Predecessor: one connection of the session before (its socket as the
+    /// descriptor, none when it is closing), followed by its packets'
+    /// lengths and its bytes, as a `connection`'s.
+    Endpoint { state: EndpointState, packets: usize },
     /// Predecessor: I stopped accepting and gave up the lock.
     Released,
     /// Either: no hand-over, and why.
@@ -231,10 +245,10 @@ impl Predecessor {
         }
     }
 
-    /// Asks for everything (with `connections`, the established
-    /// connections too) and receives it. The predecessor keeps serving
-    /// until [`Inheritance::confirm`].
-    pub fn receive(self, connections: bool) -> Result<Inheritance, HandoverError> {
+    /// Asks for everything (with `connections`, the established captured
+    /// connections too; with `sessions`, the egress sessions) and receives
+    /// it. The predecessor keeps serving until [`Inheritance::confirm`].
+    pub fn receive(self, connections: bool, sessions: bool) -> Result<Inheritance, HandoverError> {
         let channel = self.channel;
         channel
             .set_read_timeout(Some(EXCHANGE_TIMEOUT))
@@ -242,6 +256,7 @@ impl Predecessor {
         let hello = Packet::Hello {
             version: VERSION,
             connections,
+            sessions,
         };
         send(&channel, &hello, &[]).map_err(exchange)?;
         let mut inheritance = Inheritance {
@@ -309,20 +324,20 @@ impl Inheritance {
 
     /// Says that this agent accepts on everything now, and waits until the
     /// predecessor has stopped and let the lock go; the established
-    /// connections it handed over meanwhile. On an error, the connections
-    /// received so far are in it.
-    pub fn confirm(self) -> Result<Vec<HandedConnection>, (HandoverError, Vec<HandedConnection>)> {
-        let mut connections = Vec::new();
+    /// connections and egress sessions it handed over meanwhile. On an
+    /// error, what was received so far is in it.
+    pub fn confirm(self) -> Result<Inherited, (HandoverError, Inherited)> {
+        let mut inherited = Inherited::default();
         if let Err(error) = send(&self.channel, &Packet::Taken, &[]) {
-            return Err((exchange(error), connections));
+            return Err((exchange(error), inherited));
         }
         loop {
             let next = match receive(&self.channel) {
                 Ok(next) => next,
-                Err(error) => return Err((error, connections)),
+                Err(error) => return Err((error, inherited)),
             };
-            match next {
-                (Packet::Released, _) => return Ok(connections),
+            let received = match next {
+                (Packet::Released, _) => return Ok(inherited),
                 (Packet::Connection { mut state, packets }, mut fds) if fds.len() == 1 => {
                     let socket = fds.remove(0);
                     let received = receive_lengths(&self.channel, packets).and_then(|lengths| {
@@ -330,27 +345,101 @@ impl Inheritance {
                         receive_raw(&self.channel, state.data_len())
                     });
                     match received {
-                        Ok(data) => connections.push(HandedConnection {
-                            state,
-                            data: data.into(),
-                            socket,
-                        }),
+                        Ok(data) => {
+                            inherited.connections.push(HandedConnection {
+                                state,
+                                data: data.into(),
+                                socket,
+                            });
+                            Ok(())
+                        }
                         Err(error) => {
                             reset(socket);
-                            return Err((error, connections));
+                            Err(error)
                         }
                     }
                 }
-                (other, fds) => {
-                    return Err((
-                        exchange(format!(
-                            "expected a connection or released, got {other:?} with {} descriptors",
-                            fds.len()
-                        )),
-                        connections,
-                    ));
+                (Packet::Session { state, endpoints }, fds) if fds.is_empty() => {
+                    receive_session(&self.channel, state, endpoints)
+                        .map(|session| inherited.sessions.push(session))
+                }
+                (other, fds) => Err(exchange(format!(
+                    "expected a connection, a session or released, got {other:?} with {} descriptors",
+                    fds.len()
+                ))),
+            };
+            if let Err(error) = received {
+                return Err((error, inherited));
+            }
+        }
+    }
+}
+
+/// What the predecessor handed over beside its listeners.
+#[derive(Debug, Default)]
+pub struct Inherited {
+    pub connections: Vec<HandedConnection>,
+    pub sessions: Vec<HandedSession>,
+}
+
+/// Receives a session's `count` endpoints; on an error the sockets received
+/// are reset (a session arrives whole or not at all).
+fn receive_session(
+    channel: &Socket,
+    state: SessionState,
+    count: usize,
+) -> Result<HandedSession, HandoverError> {
+    let mut session = HandedSession {
+        state,
+        endpoints: Vec::with_capacity(count.min(1024)),
+    };
+    for _ in 0..count {
+        let endpoint = match receive(channel) {
+            Ok((Packet::Endpoint { mut state, packets }, mut fds))
+                if fds.len() == usize::from(!state.closing) =>
+            {
+                let socket = fds.pop();
+                let data = receive_lengths(channel, packets).and_then(|lengths| {
+                    state.unacknowledged = lengths;
+                    receive_raw(channel, state.data_len())
+                });
+                match data {
+                    Ok(data) => Ok(HandedEndpoint {
+                        state,
+                        data: data.into(),
+                        socket,
+                    }),
+                    Err(error) => {
+                        if let Some(socket) = socket {
+                            reset(socket);
+                        }
+                        Err(error)
+                    }
                 }
             }
+            Ok((other, fds)) => Err(exchange(format!(
+                "expected a session's endpoint, got {other:?} with {} descriptors",
+                fds.len()
+            ))),
+            Err(error) => Err(error),
+        };
+        match endpoint {
+            Ok(endpoint) => session.endpoints.push(endpoint),
+            Err(error) => {
+                reset_session(session);
+                return Err(error);
+            }
+        }
+    }
+    Ok(session)
+}
+
+/// Resets a session's sockets: it could not be handed over, and its
+/// clients must see a failure, not a clean end.
+pub fn reset_session(session: HandedSession) {
+    for endpoint in session.endpoints {
+        if let Some(socket) = endpoint.socket {
+            reset(socket);
         }
     }
 }
@@ -381,6 +470,13 @@ pub trait Handing: Send + Sync {
     }
     /// Said once, after the connections went (or failed to: `sent` of them).
     fn connections_sent(&self, _sent: usize, _of: usize) {}
+    /// After the connections, for a successor that asked: the egress
+    /// sessions to give it, each stopped for it.
+    fn sessions(&self) -> Vec<HandedSession> {
+        Vec::new()
+    }
+    /// Said once, after the sessions went (or failed to: `sent` of them).
+    fn sessions_sent(&self, _sent: usize, _of: usize) {}
 }
 
 /// Answers hand-over requests on `listener`, one at a time, until one
@@ -419,14 +515,15 @@ fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverErro
     channel
         .set_write_timeout(Some(EXCHANGE_TIMEOUT))
         .map_err(exchange)?;
-    let connections = match hello {
+    let (connections, sessions) = match hello {
         (
             Packet::Hello {
                 version: VERSION,
                 connections,
+                sessions,
             },
             _,
-        ) => connections,
+        ) => (connections, sessions),
         (Packet::Hello { version, .. }, _) => {
             return Err(refuse(
                 channel,
@@ -450,6 +547,12 @@ fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverErro
         let of = handed.len();
         let sent = send_connections(channel, handed);
         role.connections_sent(sent, of);
+    }
+    if sessions {
+        let handed = role.sessions();
+        let of = handed.len();
+        let sent = send_sessions(channel, handed);
+        role.sessions_sent(sent, of);
     }
     // Said once everything stopped and the lock is free; if the successor
     // is gone by now, it has the sockets and the lock is free all the same.
@@ -481,6 +584,56 @@ fn send_connections(channel: &Socket, connections: Vec<HandedConnection>) -> usi
     sent
 }
 
+/// Sends each session whole; how many went. The sessions that could not go
+/// are reset.
+fn send_sessions(channel: &Socket, sessions: Vec<HandedSession>) -> usize {
+    let mut sent = 0;
+    let mut failed = false;
+    for session in sessions {
+        if !failed {
+            match send_session(channel, &session) {
+                Ok(()) => {
+                    sent += 1;
+                    continue;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "handing egress sessions over failed; the rest are reset");
+                    failed = true;
+                }
+            }
+        }
+        reset_session(session);
+    }
+    sent
+}
+
+fn send_session(channel: &Socket, session: &HandedSession) -> std::io::Result<()> {
+    let packet = Packet::Session {
+        state: session.state.clone(),
+        endpoints: session.endpoints.len(),
+    };
+    send(channel, &packet, &[])?;
+    for endpoint in &session.endpoints {
+        let state = &endpoint.state;
+        let packet = Packet::Endpoint {
+            state: state.clone(),
+            packets: state.unacknowledged.len(),
+        };
+        send(channel, &packet, endpoint.socket.as_slice())?;
+        send_lengths(channel, &state.unacknowledged)?;
+        send_raw(channel, &endpoint.data)?;
+    }
+    Ok(())
+}
+
+fn send_lengths(channel: &Socket, lengths: &[usize]) -> std::io::Result<()> {
+    let raw: Vec<u8> = lengths
+        .iter()
+        .flat_map(|len| (*len as u32).to_le_bytes())
+        .collect();
+    send_raw(channel, &raw)
+}
+
 fn send_connection(channel: &Socket, connection: &HandedConnection) -> std::io::Result<()> {
     let state = &connection.state;
     let packet = Packet::Connection {
@@ -488,12 +641,7 @@ fn send_connection(channel: &Socket, connection: &HandedConnection) -> std::io::
         packets: state.unacknowledged.len(),
     };
     send(channel, &packet, std::slice::from_ref(&connection.socket))?;
-    let lengths: Vec<u8> = state
-        .unacknowledged
-        .iter()
-        .flat_map(|len| (*len as u32).to_le_bytes())
-        .collect();
-    send_raw(channel, &lengths)?;
+    send_lengths(channel, &state.unacknowledged)?;
     send_raw(channel, &connection.data)
 }
 
@@ -597,6 +745,8 @@ mod tests {
         /// The established connection's client end, and this agent's.
         client: Mutex<Option<std::net::TcpStream>>,
         established: Mutex<Option<std::net::TcpStream>>,
+        /// An egress session's endpoint socket.
+        egress: Mutex<Option<std::net::TcpStream>>,
         events: Mutex<Vec<String>>,
     }
 
@@ -649,16 +799,67 @@ mod tests {
         fn connections_sent(&self, sent: usize, of: usize) {
             self.events.lock().unwrap().push(format!("sent {sent} of {of}"));
         }
+        fn sessions(&self) -> Vec<HandedSession> {
+            let socket = self.egress.lock().unwrap().take().map(OwnedFd::from);
+            vec![HandedSession {
+                state: session_state(),
+                endpoints: vec![
+                    HandedEndpoint {
+                        state: endpoint_state(false),
+                        data: bytes::Bytes::from_static(b"abcdef"),
+                        socket,
+                    },
+                    HandedEndpoint {
+                        state: endpoint_state(true),
+                        data: bytes::Bytes::from_static(b"abcdef"),
+                        socket: None,
+                    },
+                ],
+            }]
+        }
+        fn sessions_sent(&self, sent: usize, of: usize) {
+            self.events
+                .lock()
+                .unwrap()
+                .push(format!("sessions {sent} of {of}"));
+        }
+    }
+
+    fn session_state() -> SessionState {
+        SessionState {
+            server_id: "server-1".to_owned(),
+            token: "0123@server-1".to_owned(),
+            agent_id: "node-1".to_owned(),
+            address: None,
+            next_connect_id: 12,
+        }
+    }
+
+    fn endpoint_state(closing: bool) -> EndpointState {
+        EndpointState {
+            connect_id: if closing { 4 } else { 5 },
+            acknowledged: 7,
+            unacknowledged: vec![1, 2],
+            unsent: 1,
+            written: 9,
+            in_hand: 4,
+            in_hand_rest: 2,
+            closing,
+            error: closing.then(|| "connection reset by peer".to_owned()),
+        }
     }
 
     fn fake() -> Fake {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (established, _) = listener.accept().unwrap();
+        let _egress_peer = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (egress, _) = listener.accept().unwrap();
         Fake {
             listener,
             client: Mutex::new(Some(client)),
             established: Mutex::new(Some(established)),
+            egress: Mutex::new(Some(egress)),
             events: Mutex::new(Vec::new()),
         }
     }
@@ -679,17 +880,34 @@ mod tests {
         let mut inheritance = Predecessor::find(&path)
             .unwrap()
             .expect("an agent answers")
-            .receive(true)
+            .receive(true, true)
             .unwrap();
         assert_eq!(inheritance.ruleset, "rules");
         let capture = inheritance.take(Role::Capture);
         assert_eq!(capture.len(), 1);
-        let connections = inheritance.confirm().unwrap();
+        let inherited = inheritance.confirm().unwrap();
+        let connections = inherited.connections;
         server.join().unwrap();
         assert_eq!(
             *old.events.lock().unwrap(),
-            ["pause", "hand_over", "connections", "sent 1 of 1"]
+            [
+                "pause",
+                "hand_over",
+                "connections",
+                "sent 1 of 1",
+                "sessions 1 of 1"
+            ]
         );
+        // The egress session came whole: its state, each endpoint's state
+        // and bytes, a socket for the open one and none for the closing one.
+        let [session] = <[HandedSession; 1]>::try_from(inherited.sessions).unwrap();
+        assert_eq!(session.state, session_state());
+        assert_eq!(session.endpoints.len(), 2);
+        for endpoint in &session.endpoints {
+            assert_eq!(endpoint.state, endpoint_state(endpoint.state.closing));
+            assert_eq!(endpoint.data, "abcdef");
+            assert_eq!(endpoint.socket.is_some(), !endpoint.state.closing);
+        }
         // The established connection came with its state and every byte, in
         // the packets its state says.
         let [connection] = <[HandedConnection; 1]>::try_from(connections).unwrap();
@@ -729,7 +947,11 @@ mod tests {
         let serving = old.clone();
         let server = std::thread::spawn(move || serve(&listener, &*serving));
         // Receives everything, then dies without saying `taken`.
-        let inheritance = Predecessor::find(&path).unwrap().unwrap().receive(true).unwrap();
+        let inheritance = Predecessor::find(&path)
+            .unwrap()
+            .unwrap()
+            .receive(true, false)
+            .unwrap();
         drop(inheritance);
         let deadline = Instant::now() + Duration::from_secs(5);
         while old.events.lock().unwrap().len() < 2 && Instant::now() < deadline {
@@ -739,9 +961,13 @@ mod tests {
         // And a later successor is served; one that does not ask for the
         // established connections (an earlier version) gets none, and they
         // stay with this agent.
-        let mut inheritance = Predecessor::find(&path).unwrap().unwrap().receive(false).unwrap();
+        let mut inheritance = Predecessor::find(&path)
+            .unwrap()
+            .unwrap()
+            .receive(false, false)
+            .unwrap();
         assert_eq!(inheritance.take(Role::Capture).len(), 1);
-        assert!(inheritance.confirm().unwrap().is_empty());
+        assert!(inheritance.confirm().unwrap().connections.is_empty());
         server.join().unwrap();
         assert_eq!(
             *old.events.lock().unwrap(),
@@ -765,6 +991,7 @@ mod tests {
         let ours = serde_json::to_vec(&Packet::Hello {
             version: VERSION,
             connections: true,
+            sessions: true,
         })
         .unwrap();
         let PreviousPacket::Hello { version } = serde_json::from_slice(&ours).unwrap();
@@ -774,7 +1001,8 @@ mod tests {
             serde_json::from_slice::<Packet>(previous).unwrap(),
             Packet::Hello {
                 version: 1,
-                connections: false
+                connections: false,
+                sessions: false,
             }
         ));
     }

@@ -20,5 +20,6 @@ pub mod programs;
 pub mod readiness;
 pub mod role;
 mod serving;
+pub mod sessions;
 pub mod settings;
 mod tunnel;

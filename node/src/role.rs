@@ -96,10 +96,11 @@ pub async fn run(
             .expect("hand-over task does not panic")?,
         None => None,
     };
-    let role = match predecessor {
+    let mut role = match predecessor {
         Some(predecessor) => take_over(predecessor, &settings, context, &readiness, health).await?,
         None => start_afresh(&settings, context, &readiness, health).await?,
     };
+    role.egress = settings.egress.as_ref().map(|egress| egress.handoff.clone());
     readiness.rules_installed.store(true, Ordering::Relaxed);
     let role = Arc::new(role);
     if let Some(pods) = role.pods.clone() {
@@ -161,9 +162,11 @@ async fn take_over(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // Established connections too, when this agent can resume them.
+    // Established connections and egress sessions too, when this agent can
+    // resume them.
     let connections = !settings.resume_timeout.is_zero();
-    let mut inheritance = tokio::task::spawn_blocking(move || predecessor.receive(connections))
+    let sessions = connections && settings.egress.is_some();
+    let mut inheritance = tokio::task::spawn_blocking(move || predecessor.receive(connections, sessions))
         .await
         .expect("hand-over task does not panic")?;
     let missing = |what: &str| {
@@ -248,17 +251,28 @@ async fn take_over(
     );
     // Both agents accept now; the predecessor stops once told, and hands
     // its established connections over.
-    let connections = match tokio::task::spawn_blocking(move || inheritance.confirm())
+    let inherited = match tokio::task::spawn_blocking(move || inheritance.confirm())
         .await
         .expect("hand-over task does not panic")
     {
-        Ok(connections) => connections,
-        Err((error, connections)) => {
+        Ok(inherited) => inherited,
+        Err((error, inherited)) => {
             tracing::warn!(%error, "the previous agent did not confirm the hand-over; taking the ownership lock regardless");
-            connections
+            inherited
         }
     };
-    continue_connections(connections, &context).await;
+    // The agent's server loop resumes each session on a stream of its own.
+    for session in inherited.sessions {
+        match &settings.egress {
+            Some(egress) => {
+                if let Err(unsent) = egress.inherited.send(session) {
+                    handover::reset_session(unsent.0);
+                }
+            }
+            None => handover::reset_session(session),
+        }
+    }
+    continue_connections(inherited.connections, &context).await;
     let ownership = tokio::task::spawn_blocking(move || handover::Ownership::take(&handover_socket))
         .await
         .expect("hand-over task does not panic")?;
@@ -483,6 +497,10 @@ struct NodeRole {
     context: Arc<CaptureContext>,
     /// What the last collection left here: not resumable, busy.
     kept: std::sync::Mutex<(usize, usize)>,
+    /// The agent's egress sessions, handed over with the rest.
+    egress: Option<Arc<crate::capture::handoff::HandOff<crate::sessions::HandedSession>>>,
+    /// What the last collection of sessions left here: not resumable, busy.
+    kept_sessions: std::sync::Mutex<(usize, usize)>,
     handover: Option<socket2::Socket>,
     ruleset: String,
     /// Held while this agent owns the rules.
@@ -545,6 +563,8 @@ impl NodeRole {
             pods,
             context: capture_context,
             kept: std::sync::Mutex::new((0, 0)),
+            egress: None,
+            kept_sessions: std::sync::Mutex::new((0, 0)),
             handover,
             ruleset,
             ownership: std::sync::Mutex::new(None),
@@ -632,6 +652,28 @@ impl handover::Handing for NodeRole {
         collected.connections
     }
 
+    fn sessions(&self) -> Vec<crate::sessions::HandedSession> {
+        let Some(egress) = &self.egress else {
+            return Vec::new();
+        };
+        let collected = egress.collect(SESSION_COLLECT_WAIT);
+        *self.kept_sessions.lock().expect("kept lock") = (collected.not_resumable, collected.busy);
+        collected.connections
+    }
+
+    fn sessions_sent(&self, sent: usize, of: usize) {
+        let (not_resumable, busy) = *self.kept_sessions.lock().expect("kept lock");
+        tracing::info!(
+            handed_over = sent,
+            not_sent = of - sent,
+            not_resumable,
+            busy,
+            "egress sessions (agent streams and their connections) handed to the newer agent; the rest stay here \
+             until their connections end or --drain-timeout (not resumable: the server offered no resume or \
+             --resume-timeout=0; busy: did not stop within 2 s, a dial still pending or its stream being resumed)"
+        );
+    }
+
     fn connections_sent(&self, sent: usize, of: usize) {
         let (not_resumable, busy) = *self.kept.lock().expect("kept lock");
         self.context
@@ -651,3 +693,6 @@ impl handover::Handing for NodeRole {
 
 /// How long a hand-over waits for the established connections to stop.
 const COLLECT_WAIT: Duration = Duration::from_secs(1);
+/// How long it waits for the egress sessions: each lets the dials the
+/// server sent before its DRAIN arrive and finish first.
+const SESSION_COLLECT_WAIT: Duration = Duration::from_secs(2);

@@ -24,6 +24,8 @@ pub struct NodeSettings {
     /// `--resume-timeout`: how long a captured connection whose stream of
     /// the node tunnel was lost waits for a new one (0: reset at once).
     pub resume_timeout: Duration,
+    /// The agent's egress sessions, handed over with the role.
+    pub egress: Option<crate::sessions::EgressHandover>,
 }
 
 #[derive(Clone, Debug)]

@@ -582,7 +582,7 @@ async fn numbered_lines(
 /// Downloads `len` pattern bytes, read at most `per_second` bytes a second
 /// so that the transfer spans the replacements; their SHA-256.
 async fn slow_download(
-    mut stream: tokio::net::TcpStream,
+    mut stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     len: u64,
     seed: u64,
     per_second: u64,
@@ -981,4 +981,121 @@ async fn a_connection_whose_client_does_not_read_stays_with_the_old_agent() {
         "the old agent exits once its kept connection ended"
     );
     drop(successor);
+}
+
+/// Five rolling replacements of a node agent that is also its node's egress
+/// agent, with `--drain-timeout=5s` so that nothing can outlive a
+/// replacement by draining, while kube-apiserver's side holds egress
+/// connections through it: grpc-go (what kube-apiserver's egress dialer is
+/// built on) echoing a numbered line every 10 ms through the agent to a
+/// target on the node, and a 256 MiB download, read slowly enough to span
+/// the replacements. Each old agent hands its agent stream's session to its
+/// successor, which resumes it at the server: no line goes missing, doubled
+/// or out of order, the longest wait for a line stays under a second, the
+/// download's SHA-256 is intact, and each old agent exits at its SIGTERM
+/// with nothing left to drain. Without the hand-over of egress sessions the
+/// first old agent drains for the 5 s and exits with both connections open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_replacements_hand_egress_sessions_over() {
+    const DOWNLOAD: u64 = 256 << 20;
+    // About 20 s of transfer: it spans the replacements.
+    const DOWNLOAD_RATE: u64 = 12 << 20;
+    const EGRESS_TARGET: &str = "10.222.0.1:7100";
+    if !root_or_skip("rolling_replacements_hand_egress_sessions_over") {
+        return;
+    }
+    let Some(go_client) = crate::support::foreign::grpc_go_client() else {
+        return;
+    };
+    let topology = build(false).await;
+    let _target =
+        targets::blob_on(tokio::net::TcpListener::from_std(topology.node.bind_tcp(EGRESS_TARGET)).unwrap())
+            .await;
+    let args = ["--drain-timeout=5s".to_owned()];
+    let mut agent = topology.start_node_agent(&args);
+    topology.wait_node_ready().await;
+    let dir = topology.dir.path().to_owned();
+    let uds = dir.join("kas-egress.sock");
+
+    let mut command = tokio::process::Command::new(&go_client);
+    command
+        .arg("-socket")
+        .arg(&uds)
+        .arg("-echo")
+        .arg(EGRESS_TARGET)
+        .arg("-lines")
+        .arg("25s")
+        .kill_on_drop(true);
+    let lines = tokio::spawn(crate::support::foreign::run_client(command, "lines:"));
+    let download = {
+        let uds = uds.clone();
+        tokio::spawn(async move {
+            let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
+                .await
+                .map_err(|e| e.to_string())?;
+            let stream = tunnel.dial(EGRESS_TARGET).await.map_err(|e| e.to_string())?;
+            slow_download(stream, DOWNLOAD, 11, DOWNLOAD_RATE).await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let mut handed = Vec::new();
+    for n in 0..REPLACEMENTS {
+        let successor = topology.start_node_agent(&args);
+        took_over(&successor).await;
+        topology.wait_node_ready().await;
+        agent.signal("TERM");
+        let status = agent.wait_exit(Duration::from_secs(20)).await;
+        assert!(status.is_some(), "replacement {n}: the old agent did not exit");
+        let log = agent.log_text();
+        let line = log
+            .lines()
+            .find(|line| line.contains("egress sessions (agent streams and their connections) handed"))
+            .unwrap_or_else(|| panic!("replacement {n}: no egress hand-over line in\n{log}"))
+            .to_owned();
+        assert!(
+            log.contains("open connections done; exiting"),
+            "replacement {n}: the old agent had connections left to drain ({line}):\n{log}"
+        );
+        handed.push(line);
+        assert_eq!(node_agents(&dir).len(), 1, "replacement {n}: one agent runs");
+        agent = successor;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let output = tokio::time::timeout(Duration::from_secs(60), lines)
+        .await
+        .expect("the grpc-go client finishes")
+        .unwrap();
+    let longest_ms: u64 = output
+        .split("longest wait ")
+        .nth(1)
+        .and_then(|rest| rest.trim().strip_suffix("ms"))
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or_else(|| panic!("no longest wait in {output}\nhand-overs:\n{}", handed.join("\n")));
+    let digest = download
+        .await
+        .unwrap()
+        .unwrap_or_else(|broke| panic!("the download: {broke}\nhand-overs:\n{}", handed.join("\n")));
+    assert_eq!(
+        digest,
+        targets::pattern_digest(DOWNLOAD, 11),
+        "the download arrived changed"
+    );
+    println!("{}\nhand-overs:\n{}", output.trim(), handed.join("\n"));
+    // The first agent has one session; each later one also the session its
+    // predecessor handed over (it ends once its connections have).
+    for line in &handed {
+        assert!(
+            !line.contains("handed_over=0")
+                && line.contains("busy=0")
+                && line.contains("not_sent=0")
+                && line.contains("not_resumable=0"),
+            "every agent stream's session was handed over: {line}"
+        );
+    }
+    assert!(
+        longest_ms < 1000,
+        "grpc-go's lines paused {longest_ms} ms during the hand-overs (budget: under 1 s)"
+    );
+    drop(agent);
 }

@@ -160,8 +160,21 @@ async fn a_control_plane_agent_must_run_on_a_node_control_plane_nodes_names() {
             .contains("refused a control-plane agent on a node")
     })
     .await;
+    // The agent logs the refusal once its status arrives, which may be just
+    // after the server logged it.
+    wait_until(
+        Duration::from_secs(10),
+        "the agent to log the refusal",
+        || async {
+            setup
+                .control_plane_agent
+                .proc
+                .log_text()
+                .contains("not one of --control-plane-nodes")
+        },
+    )
+    .await;
     let log = setup.control_plane_agent.proc.log_text();
-    assert!(log.contains("not one of --control-plane-nodes"), "{log}");
     assert!(log.contains("cp-node"), "{log}");
     setup.server.wait_backends(1).await;
 

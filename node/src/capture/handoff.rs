@@ -91,8 +91,8 @@ impl HandedConnection {
 }
 
 /// What a hand-over collected, and what it left with this agent.
-pub struct Collected {
-    pub connections: Vec<HandedConnection>,
+pub struct Collected<T = HandedConnection> {
+    pub connections: Vec<T>,
     /// Connections whose stream cannot resume (an upstream server, or
     /// `--resume-timeout=0`): they stay and drain.
     pub not_resumable: usize,
@@ -100,43 +100,44 @@ pub struct Collected {
     pub busy: usize,
 }
 
-/// The signal every captured connection watches, and what they give.
-pub struct HandOff {
+/// The signal every captured connection watches, and what they give. The
+/// egress sessions (`T` = [`crate::sessions::HandedSession`]) are handed
+/// over the same way.
+pub struct HandOff<T = HandedConnection> {
     requested: watch::Sender<bool>,
-    collecting: Mutex<Collecting>,
+    collecting: Mutex<Collecting<T>>,
     /// Resumable connections being relayed now.
     resumable: AtomicUsize,
     /// Connections that are not.
     plain: AtomicUsize,
 }
 
-#[derive(Default)]
-struct Collecting {
+struct Collecting<T> {
     /// Connections are taken (between the request and the deadline).
     open: bool,
     /// Connections that stopped to be handed over.
     promised: usize,
-    given: Vec<HandedConnection>,
+    given: Vec<T>,
 }
 
 /// Counts a relayed connection while it lives (a connection handed over
 /// stopped counting when it promised).
-pub struct Carried {
-    handoff: Arc<HandOff>,
+pub struct Carried<T = HandedConnection> {
+    handoff: Arc<HandOff<T>>,
     resumable: bool,
     handed_over: bool,
 }
 
-impl Carried {
+impl<T> Carried<T> {
     /// The connection that promised itself ([`HandOff::promise`]) gives
     /// itself to the successor.
-    pub fn give(mut self, connection: HandedConnection) {
+    pub fn give(mut self, connection: T) {
         self.handed_over = true;
         self.handoff.collecting().given.push(connection);
     }
 }
 
-impl Drop for Carried {
+impl<T> Drop for Carried<T> {
     fn drop(&mut self) {
         match (self.handed_over, self.resumable) {
             (true, _) => 0,
@@ -146,11 +147,15 @@ impl Drop for Carried {
     }
 }
 
-impl HandOff {
-    pub fn new() -> Arc<HandOff> {
+impl<T> HandOff<T> {
+    pub fn new() -> Arc<HandOff<T>> {
         Arc::new(HandOff {
             requested: watch::Sender::new(false),
-            collecting: Mutex::new(Collecting::default()),
+            collecting: Mutex::new(Collecting {
+                open: false,
+                promised: 0,
+                given: Vec::new(),
+            }),
             resumable: AtomicUsize::new(0),
             plain: AtomicUsize::new(0),
         })
@@ -162,7 +167,7 @@ impl HandOff {
     }
 
     /// Counts a connection being relayed until the guard is dropped.
-    pub fn carry(self: &Arc<Self>, resumable: bool) -> Carried {
+    pub fn carry(self: &Arc<Self>, resumable: bool) -> Carried<T> {
         match resumable {
             true => self.resumable.fetch_add(1, Ordering::AcqRel),
             false => self.plain.fetch_add(1, Ordering::AcqRel),
@@ -174,7 +179,7 @@ impl HandOff {
         }
     }
 
-    fn collecting(&self) -> std::sync::MutexGuard<'_, Collecting> {
+    fn collecting(&self) -> std::sync::MutexGuard<'_, Collecting<T>> {
         self.collecting.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -193,7 +198,7 @@ impl HandOff {
     /// Asks every connection to stop and waits, at most `wait`, until every
     /// resumable one has given itself. Blocking: the hand-over runs on a
     /// thread of its own.
-    pub fn collect(&self, wait: Duration) -> Collected {
+    pub fn collect(&self, wait: Duration) -> Collected<T> {
         self.collecting().open = true;
         self.requested.send_replace(true);
         let deadline = Instant::now() + wait;
