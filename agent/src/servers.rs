@@ -316,7 +316,8 @@ async fn retire(
     // Probes' server counts have nowhere to go: this stream is not counted.
     let (reports, _) = mpsc::unbounded_channel();
     let dialing = async move {
-        loop {
+        let mut resumed = false;
+        'dialing: loop {
             let deadline = Instant::now() + timeout;
             loop {
                 match target.connect(&metrics, std::slice::from_ref(&state.token)).await {
@@ -324,6 +325,10 @@ async fn retire(
                         let _ = attach
                             .send(attached(stream, &target, probe_interval, &reports))
                             .await;
+                        if !resumed {
+                            resumed = true;
+                            metrics.node.sessions_taken_over(1, 0);
+                        }
                         backoff.reset();
                         break;
                     }
@@ -336,16 +341,19 @@ async fn retire(
                         tracing::warn!(
                             "proxy-server refused to resume the session handed over; its connections close"
                         );
-                        return;
+                        break 'dialing;
                     }
                     Err(error) => log_connect_failure(&target, &error),
                 }
                 if Instant::now() >= deadline {
-                    return;
+                    break 'dialing;
                 }
                 tokio::time::sleep(backoff.next_delay()).await;
             }
             lost.notified().await;
+        }
+        if !resumed {
+            metrics.node.sessions_taken_over(0, 1);
         }
     };
     let reason = tokio::select! {

@@ -27,6 +27,8 @@ pub struct NodeMetrics {
     captured: Family<Labels, GoCounter>,
     handover: Family<Labels, GoCounter>,
     taken_over: Family<Labels, GoCounter>,
+    sessions_handover: Family<Labels, GoCounter>,
+    sessions_taken_over: Family<Labels, GoCounter>,
     /// Captured connections carried over to a new stream of the node
     /// tunnel: the agent's resume counters, shared with its agent streams.
     pub resumes: Resumes,
@@ -69,30 +71,39 @@ impl NodeMetrics {
             "Established captured connections taken over from the previous agent, by outcome: resumed, failed (reset).",
             metrics.taken_over.clone(),
         );
+        register(
+            registry,
+            "egress_sessions_handover_total",
+            "Agent-stream sessions (each with its egress connections) at hand-overs to a newer agent, by outcome: handed_over, not_sent (the exchange failed; reset), not_resumable and busy (kept by this agent until their connections end).",
+            metrics.sessions_handover.clone(),
+        );
+        register(
+            registry,
+            "egress_sessions_taken_over_total",
+            "Agent-stream sessions taken over from the previous agent, by outcome: resumed, failed (their connections closed).",
+            metrics.sessions_taken_over.clone(),
+        );
         metrics
     }
 
     /// A hand-over to a newer agent: what became of the connections.
     pub fn handed_over(&self, sent: usize, not_sent: usize, not_resumable: usize, busy: usize) {
-        for (outcome, count) in [
-            ("handed_over", sent),
-            ("not_sent", not_sent),
-            ("not_resumable", not_resumable),
-            ("busy", busy),
-        ] {
-            self.handover
-                .get_or_create(&vec![("outcome", outcome)])
-                .inc_by(count as u64);
-        }
+        count_handover(&self.handover, sent, not_sent, not_resumable, busy);
     }
 
     /// Connections taken over from the previous agent.
     pub fn taken_over(&self, resumed: usize, failed: usize) {
-        for (outcome, count) in [("resumed", resumed), ("failed", failed)] {
-            self.taken_over
-                .get_or_create(&vec![("outcome", outcome)])
-                .inc_by(count as u64);
-        }
+        count_taken_over(&self.taken_over, resumed, failed);
+    }
+
+    /// A hand-over to a newer agent: what became of the egress sessions.
+    pub fn sessions_handed_over(&self, sent: usize, not_sent: usize, not_resumable: usize, busy: usize) {
+        count_handover(&self.sessions_handover, sent, not_sent, not_resumable, busy);
+    }
+
+    /// Egress sessions taken over from the previous agent.
+    pub fn sessions_taken_over(&self, resumed: usize, failed: usize) {
+        count_taken_over(&self.sessions_taken_over, resumed, failed);
     }
 
     pub fn captured(&self, outcome: CaptureOutcome) {
@@ -103,6 +114,33 @@ impl NodeMetrics {
             CaptureOutcome::DialFailed => "dial_failed",
         };
         self.captured.get_or_create(&vec![("outcome", outcome)]).inc();
+    }
+}
+
+fn count_handover(
+    family: &Family<Labels, GoCounter>,
+    sent: usize,
+    not_sent: usize,
+    not_resumable: usize,
+    busy: usize,
+) {
+    for (outcome, count) in [
+        ("handed_over", sent),
+        ("not_sent", not_sent),
+        ("not_resumable", not_resumable),
+        ("busy", busy),
+    ] {
+        family
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc_by(count as u64);
+    }
+}
+
+fn count_taken_over(family: &Family<Labels, GoCounter>, resumed: usize, failed: usize) {
+    for (outcome, count) in [("resumed", resumed), ("failed", failed)] {
+        family
+            .get_or_create(&vec![("outcome", outcome)])
+            .inc_by(count as u64);
     }
 }
 

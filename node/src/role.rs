@@ -663,6 +663,9 @@ impl handover::Handing for NodeRole {
 
     fn sessions_sent(&self, sent: usize, of: usize) {
         let (not_resumable, busy) = *self.kept_sessions.lock().expect("kept lock");
+        self.context
+            .metrics
+            .sessions_handed_over(sent, of - sent, not_resumable, busy);
         tracing::info!(
             handed_over = sent,
             not_sent = of - sent,
