@@ -245,6 +245,16 @@ pub struct Args {
         help_heading = "Node capture (konnectivity-rs)"
     )]
     pub handover_socket: String,
+    /// Without --capture: hand this agent's agent-stream sessions, with their connections, to
+    /// the agent that replaces it on the same node through --handover-socket (an egress
+    /// DaemonSet rolled out with maxSurge), and take over those of the agent it replaces.
+    /// Off: a replaced agent drains for --drain-timeout as upstream's does.
+    #[arg(
+        long,
+        default_value_t = false,
+        help_heading = "Node capture (konnectivity-rs)"
+    )]
+    pub egress_handover: bool,
     /// How long an agent that handed over waits, once told to stop, for the connections it
     /// still carries before it exits (below the pod's terminationGracePeriodSeconds).
     #[arg(long, value_parser = parse_duration, default_value = "25s", help_heading = "Node capture (konnectivity-rs)")]
@@ -314,6 +324,9 @@ pub struct Config {
     /// `--keepalive-time`, raised to [`MIN_KEEPALIVE`]; `None` is off.
     pub keepalive: Option<Duration>,
     pub node: Option<NodeConfig>,
+    /// `--egress-handover` (no node role): where and how the agent-stream
+    /// sessions are handed to a successor.
+    pub egress_handover: Option<EgressHandover>,
     /// `--count-server-leases` and its settings.
     pub lease_counting: Option<LeaseCounting>,
     /// `--server-count-source=max`.
@@ -389,6 +402,15 @@ pub struct NodeConfig {
     pub drain_timeout: Duration,
 }
 
+/// `--egress-handover`: a plain egress agent's hand-over socket.
+#[derive(Clone, Debug)]
+pub struct EgressHandover {
+    /// `--handover-socket`.
+    pub socket: std::path::PathBuf,
+    /// `--drain-timeout`.
+    pub drain_timeout: Duration,
+}
+
 /// Errors name the flag at fault; main exits with status 2 on them.
 pub type ConfigError = FlagError;
 
@@ -459,6 +481,25 @@ impl Config {
             pem_file("service-account-token-path", &args.service_account_token_path)?.map(|file| file.path);
         pem_file("kubeconfig", &args.kubeconfig)?;
         let node = node_config(args)?;
+        let egress_handover = match (args.egress_handover, &node) {
+            (false, _) => None,
+            (true, Some(_)) => {
+                return Err(invalid(
+                    "egress-handover",
+                    "is for agents without --capture: a node agent hands its sessions over with its role",
+                ));
+            }
+            (true, None) if args.handover_socket.is_empty() => {
+                return Err(invalid(
+                    "handover-socket",
+                    "must not be empty with --egress-handover",
+                ));
+            }
+            (true, None) => Some(EgressHandover {
+                socket: args.handover_socket.clone().into(),
+                drain_timeout: args.drain_timeout,
+            }),
+        };
         let identifiers = AgentIdentifiers::parse(&args.agent_identifiers)
             .map_err(|e| invalid("agent-identifiers", e.to_string()))?;
         let admin_ip = bind_ip("admin-bind-address", &args.admin_bind_address)?;
@@ -498,6 +539,7 @@ impl Config {
             dial_timeout: args.dial_timeout,
             keepalive: (!args.keepalive_time.is_zero()).then(|| args.keepalive_time.max(MIN_KEEPALIVE)),
             node,
+            egress_handover,
             lease_counting,
             server_count_max: count_max,
         })
@@ -754,6 +796,24 @@ mod tests {
             error.contains("--lease-label-selector") && error.contains("every Lease"),
             "{error}"
         );
+    }
+
+    /// `--egress-handover` is a plain agent's: with `--capture` the role
+    /// hands the sessions over already, and it needs a socket.
+    #[test]
+    fn egress_handover_is_for_plain_agents_with_a_socket() {
+        let config = |flags: &[&str]| {
+            let mut line = vec!["proxy-agent", "--agent-id=a", "--egress-handover"];
+            line.extend(flags);
+            Config::from_args(&Args::try_parse_from(&line).unwrap()).map_err(|e| e.to_string())
+        };
+        let plain = config(&["--handover-socket=/run/k/h.sock", "--drain-timeout=9s"]).unwrap();
+        let handover = plain.egress_handover.unwrap();
+        assert_eq!(handover.socket, std::path::PathBuf::from("/run/k/h.sock"));
+        assert_eq!(handover.drain_timeout, Duration::from_secs(9));
+        assert!(config(&["--handover-socket="]).unwrap_err().contains("--handover-socket"));
+        let off = Config::from_args(&Args::try_parse_from(["proxy-agent", "--agent-id=a"]).unwrap()).unwrap();
+        assert!(off.egress_handover.is_none(), "off by default");
     }
 
     #[test]

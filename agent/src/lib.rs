@@ -6,6 +6,7 @@
 
 pub mod config;
 mod endpoint;
+mod handover;
 mod health;
 mod leases;
 mod metrics;
@@ -44,6 +45,7 @@ use konnectivity_node::readiness::NodeReadiness;
 use konnectivity_node::role::{CaptureError, HealthService};
 use konnectivity_node::settings::NodeSettings;
 use konnectivity_plumbing::backoff::Backoff;
+use tokio::sync::watch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -78,13 +80,20 @@ pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, Ag
     let (stop, stopping) = konnectivity_plumbing::lifecycle::channel();
     let metrics = Arc::new(AgentMetrics::default());
     let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
-    let drain_timeout = config.node.as_ref().map(|node| node.drain_timeout);
+    let drain_timeout = config
+        .node
+        .as_ref()
+        .map(|node| node.drain_timeout)
+        .or(config.egress_handover.as_ref().map(|egress| egress.drain_timeout));
+    // Turns true when a successor took a plain egress agent's sessions.
+    let (egress_handed, egress_handed_over) = watch::channel(false);
     let agent = serve(
         config,
         watcher,
         Some(stopping),
         metrics.clone(),
         node_readiness.clone(),
+        Some(egress_handed),
     );
     tokio::pin!(agent);
     let mut agent = Running {
@@ -95,7 +104,7 @@ pub async fn run(config: Config, signals: &mut Terminations) -> Result<Ended, Ag
         &mut agent,
         signals,
         &drain,
-        &node_readiness,
+        (&node_readiness, egress_handed_over),
         &metrics,
         drain_timeout,
     )
@@ -142,14 +151,18 @@ async fn until_told<
     agent: &mut Running<F>,
     signals: &mut Terminations,
     drain: &konnectivity_plumbing::lifecycle::Trigger,
-    node_readiness: &Option<Arc<NodeReadiness>>,
+    (node_readiness, mut egress_handed_over): (&Option<Arc<NodeReadiness>>, watch::Receiver<bool>),
     metrics: &AgentMetrics,
     drain_timeout: Option<Duration>,
 ) -> Result<Ended, AgentError> {
     let handed_over = async {
         match &node_readiness {
             Some(readiness) => readiness.handed_over().await,
-            None => std::future::pending().await,
+            None => {
+                if egress_handed_over.wait_for(|handed| *handed).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
         }
     };
     tokio::pin!(handed_over);
@@ -206,7 +219,7 @@ async fn until_told<
 pub async fn run_with_drain(config: Config, drain: Watcher) -> Result<(), AgentError> {
     let metrics = Arc::new(AgentMetrics::default());
     let node_readiness = config.node.as_ref().map(|_| Arc::new(NodeReadiness::default()));
-    serve(config, drain, None, metrics, node_readiness).await
+    serve(config, drain, None, metrics, node_readiness, None).await
 }
 
 /// Waits until no captured or endpoint connection is open, at most `limit`;
@@ -232,6 +245,7 @@ async fn serve(
     stopping: Option<Watcher>,
     metrics: Arc<AgentMetrics>,
     node_readiness: Option<Arc<NodeReadiness>>,
+    egress_handed: Option<watch::Sender<bool>>,
 ) -> Result<(), AgentError> {
     let endpoints = Arc::new(AgentEndpoints {
         metrics: metrics.clone(),
@@ -283,19 +297,20 @@ async fn serve(
         resume: !config.resume_timeout.is_zero(),
     };
     // With the node role's hand-over socket, the egress sessions go to the
-    // successor with the rest (docs/handover.md, "Egress connections").
-    let egress_handover = config
+    // successor with the rest; a plain agent hands them over by itself with
+    // --egress-handover (docs/handover.md, "Egress connections").
+    let node_handover = config
         .node
         .as_ref()
-        .filter(|node| node.handover_socket.is_some())
-        .map(|_| {
-            let (inherited, arriving) = tokio::sync::mpsc::unbounded_channel();
-            let handover = konnectivity_node::sessions::EgressHandover {
-                handoff: konnectivity_node::capture::handoff::HandOff::new(),
-                inherited,
-            };
-            (handover, arriving)
-        });
+        .is_some_and(|node| node.handover_socket.is_some());
+    let egress_handover = (node_handover || config.egress_handover.is_some()).then(|| {
+        let (inherited, arriving) = tokio::sync::mpsc::unbounded_channel();
+        let handover = konnectivity_node::sessions::EgressHandover {
+            handoff: konnectivity_node::capture::handoff::HandOff::new(),
+            inherited,
+        };
+        (handover, arriving)
+    });
     let settings = SessionSettings {
         handoff: egress_handover
             .as_ref()
@@ -365,6 +380,18 @@ async fn serve(
         ))
     };
     let mut egress = AbortOnDrop(egress);
+    let mut egress_handover_task = None;
+    if let (Some(plain), Some((handover, _)), Some(handed)) =
+        (&config.egress_handover, &egress_handover, egress_handed)
+    {
+        egress_handover_task = Some(AbortOnDrop(tokio::spawn(handover::run(
+            plain.socket.clone(),
+            handover.clone(),
+            metrics.clone(),
+            handed,
+        ))));
+    }
+    let _egress_handover_task = egress_handover_task;
     let (egress_handover, _inherited) = match egress_handover {
         Some((handover, arriving)) => {
             let inherited = tokio::spawn(servers::serve_inherited(

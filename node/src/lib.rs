@@ -13,7 +13,7 @@
 
 pub mod capture;
 pub mod cni;
-mod handover;
+pub mod handover;
 pub mod metrics;
 mod pods;
 pub mod programs;

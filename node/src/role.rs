@@ -656,25 +656,14 @@ impl handover::Handing for NodeRole {
         let Some(egress) = &self.egress else {
             return Vec::new();
         };
-        let collected = egress.collect(SESSION_COLLECT_WAIT);
+        let collected = egress.collect(crate::sessions::COLLECT_WAIT);
         *self.kept_sessions.lock().expect("kept lock") = (collected.not_resumable, collected.busy);
         collected.connections
     }
 
     fn sessions_sent(&self, sent: usize, of: usize) {
         let (not_resumable, busy) = *self.kept_sessions.lock().expect("kept lock");
-        self.context
-            .metrics
-            .sessions_handed_over(sent, of - sent, not_resumable, busy);
-        tracing::info!(
-            handed_over = sent,
-            not_sent = of - sent,
-            not_resumable,
-            busy,
-            "egress sessions (agent streams and their connections) handed to the newer agent; the rest stay here \
-             until their connections end or --drain-timeout (not resumable: the server offered no resume or \
-             --resume-timeout=0; busy: did not stop within 2 s, a dial still pending or its stream being resumed)"
-        );
+        crate::sessions::report_sent(&self.context.metrics, sent, of, not_resumable, busy);
     }
 
     fn connections_sent(&self, sent: usize, of: usize) {
@@ -696,6 +685,3 @@ impl handover::Handing for NodeRole {
 
 /// How long a hand-over waits for the established connections to stop.
 const COLLECT_WAIT: Duration = Duration::from_secs(1);
-/// How long it waits for the egress sessions: each lets the dials the
-/// server sent before its DRAIN arrive and finish first.
-const SESSION_COLLECT_WAIT: Duration = Duration::from_secs(2);

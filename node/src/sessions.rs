@@ -26,6 +26,31 @@ pub struct EgressHandover {
     pub inherited: tokio::sync::mpsc::UnboundedSender<HandedSession>,
 }
 
+/// Says once, in the log and the metrics, what became of the sessions at a
+/// hand-over: `sent` of `of` went, and the rest stayed here.
+pub fn report_sent(
+    metrics: &crate::metrics::NodeMetrics,
+    sent: usize,
+    of: usize,
+    not_resumable: usize,
+    busy: usize,
+) {
+    metrics.sessions_handed_over(sent, of - sent, not_resumable, busy);
+    tracing::info!(
+        handed_over = sent,
+        not_sent = of - sent,
+        not_resumable,
+        busy,
+        "egress sessions (agent streams and their connections) handed to the newer agent; the rest stay here \
+         until their connections end or --drain-timeout (not resumable: the server offered no resume or \
+         --resume-timeout=0; busy: did not stop within 2 s, a dial still pending or its stream being resumed)"
+    );
+}
+
+/// How long a hand-over waits for the sessions to stop: each lets the dials
+/// the server sent before its DRAIN arrive and finish first.
+pub const COLLECT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Resets a connection's socket that cannot be handed over or served: its
 /// peer sees a failure, not a clean end that would pass for the whole
 /// answer.

@@ -1099,3 +1099,122 @@ async fn rolling_replacements_hand_egress_sessions_over() {
     );
     drop(agent);
 }
+
+/// A plain egress agent (no node role) rolled five times as an egress
+/// DaemonSet with maxSurge rolls it: each successor starts beside the old
+/// agent with `--egress-handover` and the same `--handover-socket`, takes
+/// its agent stream's session over once it holds a stream of its own, and
+/// the old agent then gets SIGTERM (`--drain-timeout=5s`, so nothing can
+/// outlive a replacement by draining). grpc-go echoes a numbered line every
+/// 10 ms through the agents and our client downloads 256 MiB slowly enough
+/// to span the replacements: every line comes back once and in order
+/// within a second, the download is intact, and each old agent exits at its
+/// SIGTERM with nothing left to drain. No root needed: loopback only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
+    const DOWNLOAD: u64 = 256 << 20;
+    const DOWNLOAD_RATE: u64 = 16 << 20;
+    let Some(go_client) = crate::support::foreign::grpc_go_client() else {
+        return;
+    };
+    let handover_dir = crate::support::TempDir::new("konn-egress-handover");
+    let args = vec![
+        "--egress-handover".to_owned(),
+        format!(
+            "--handover-socket={}",
+            handover_dir.path().join("handover.sock").display()
+        ),
+        "--drain-timeout=5s".to_owned(),
+    ];
+    let mut setup = crate::support::cluster::Setup::start("grpc", true, &args).await;
+    let target = targets::blob().await;
+    let address = target.addr.to_string();
+    let uds = setup.server.uds_path().to_owned();
+
+    let mut command = tokio::process::Command::new(&go_client);
+    command
+        .arg("-socket")
+        .arg(&uds)
+        .arg("-echo")
+        .arg(&address)
+        .arg("-lines")
+        .arg("20s")
+        .kill_on_drop(true);
+    let lines = tokio::spawn(crate::support::foreign::run_client(command, "lines:"));
+    let download = {
+        let (uds, address) = (uds.clone(), address.clone());
+        tokio::spawn(async move {
+            let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
+                .await
+                .map_err(|e| e.to_string())?;
+            let stream = tunnel.dial(&address).await.map_err(|e| e.to_string())?;
+            slow_download(stream, DOWNLOAD, 13, DOWNLOAD_RATE).await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let mut handed = Vec::new();
+    for n in 0..REPLACEMENTS {
+        let successor = setup.start_agent("agent-1", &args);
+        wait_until(
+            Duration::from_secs(20),
+            "the successor to take the sessions over",
+            || async {
+                successor
+                    .proc
+                    .log_text()
+                    .contains("took the previous agent's sessions over")
+            },
+        )
+        .await;
+        let mut old = std::mem::replace(&mut setup.agent, successor);
+        old.proc.signal("TERM");
+        let status = old.proc.wait_exit(Duration::from_secs(20)).await;
+        assert!(status.is_some(), "replacement {n}: the old agent did not exit");
+        let log = old.proc.log_text();
+        let line = log
+            .lines()
+            .find(|line| line.contains("egress sessions (agent streams and their connections) handed"))
+            .unwrap_or_else(|| panic!("replacement {n}: no egress hand-over line in\n{log}"))
+            .to_owned();
+        assert!(
+            log.contains("open connections done; exiting"),
+            "replacement {n}: the old agent had connections left to drain ({line}):\n{log}"
+        );
+        handed.push(line);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let output = tokio::time::timeout(Duration::from_secs(60), lines)
+        .await
+        .expect("the grpc-go client finishes")
+        .unwrap();
+    let longest_ms: u64 = output
+        .split("longest wait ")
+        .nth(1)
+        .and_then(|rest| rest.trim().strip_suffix("ms"))
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or_else(|| panic!("no longest wait in {output}\nhand-overs:\n{}", handed.join("\n")));
+    let digest = download
+        .await
+        .unwrap()
+        .unwrap_or_else(|broke| panic!("the download: {broke}\nhand-overs:\n{}", handed.join("\n")));
+    assert_eq!(
+        digest,
+        targets::pattern_digest(DOWNLOAD, 13),
+        "the download arrived changed"
+    );
+    println!("{}\nhand-overs:\n{}", output.trim(), handed.join("\n"));
+    for line in &handed {
+        assert!(
+            !line.contains("handed_over=0")
+                && line.contains("busy=0")
+                && line.contains("not_sent=0")
+                && line.contains("not_resumable=0"),
+            "every agent stream's session was handed over: {line}"
+        );
+    }
+    assert!(
+        longest_ms < 1000,
+        "grpc-go's lines paused {longest_ms} ms during the hand-overs (budget: under 1 s)"
+    );
+}

@@ -737,6 +737,57 @@ fn node_agent_rollouts_start_the_new_agent_beside_the_old() {
     }
 }
 
+/// The egress DaemonSet rolls the same way, and its agents hand their
+/// sessions over on a hostPath both pods mount, writable by the agent's
+/// user, apart from the node agent's hand-over socket.
+#[test]
+fn egress_agent_rollouts_hand_sessions_over_beside_the_old() {
+    if !tool_available("kubectl", &["version", "--client"]) {
+        return;
+    }
+    let objects = rendered_base("egress");
+    let daemonset = objects
+        .iter()
+        .find(|o| o["kind"] == "DaemonSet")
+        .expect("the egress agent DaemonSet");
+    let strategy = &daemonset["spec"]["updateStrategy"];
+    assert_eq!(strategy["rollingUpdate"]["maxSurge"], 1, "{strategy}");
+    assert_eq!(strategy["rollingUpdate"]["maxUnavailable"], 0, "{strategy}");
+    let agents = runs(&objects);
+    let agent = find(&agents, "DaemonSet/konnectivity-agent");
+    assert!(
+        agent.args.iter().any(|arg| arg == "--egress-handover"),
+        "{:?}",
+        agent.args
+    );
+    let socket = agent.flag("handover-socket").expect("a hand-over socket");
+    let host = agent
+        .host_path(socket)
+        .expect("the hand-over socket is on a hostPath");
+    let node_agents = runs(&rendered_base("node-to-kas"));
+    let node_agent = find(&node_agents, "DaemonSet/konnectivity-node-agent");
+    let node_socket = node_agent.flag("handover-socket").unwrap();
+    assert_ne!(
+        Some(host.clone()),
+        node_agent.host_path(node_socket),
+        "each role its own socket"
+    );
+    // The agent runs as a user that must be able to bind there.
+    let user = agent.container["securityContext"]["runAsUser"].as_u64().unwrap();
+    let init = agent.pod["initContainers"]
+        .as_array()
+        .and_then(|containers| containers.iter().find(|c| c["name"] == "handover-dir"))
+        .expect("an init container makes the directory the agent's");
+    let command: Vec<&str> = init["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let directory = socket.rsplit_once('/').unwrap().0;
+    assert_eq!(command, ["chown", &format!("{user}:{user}"), directory]);
+}
+
 #[test]
 fn the_image_ships_every_binary_the_manifests_run() {
     if !tool_available("kubectl", &["version", "--client"]) {
