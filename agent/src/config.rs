@@ -811,7 +811,11 @@ mod tests {
         let handover = plain.egress_handover.unwrap();
         assert_eq!(handover.socket, std::path::PathBuf::from("/run/k/h.sock"));
         assert_eq!(handover.drain_timeout, Duration::from_secs(9));
-        assert!(config(&["--handover-socket="]).unwrap_err().contains("--handover-socket"));
+        assert!(
+            config(&["--handover-socket="])
+                .unwrap_err()
+                .contains("--handover-socket")
+        );
         let off = Config::from_args(&Args::try_parse_from(["proxy-agent", "--agent-id=a"]).unwrap()).unwrap();
         assert!(off.egress_handover.is_none(), "off by default");
     }

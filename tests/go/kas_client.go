@@ -314,6 +314,10 @@ func main() {
 	concurrent := flag.Int("concurrent", 8, "dials at once on the one connection")
 	hold := flag.Duration("lines", 0, "hold one tunnel this long, echoing a line every 10 ms")
 	flag.Parse()
+	// Dial ids come from the global source, as konnectivity-client's do;
+	// Go before 1.20 (Debian's) seeds it with 1, so every process would
+	// draw the same ids. kube-apiserver's Go seeds it at random: so do we.
+	rand.Seed(time.Now().UnixNano())
 
 	options := []grpc.DialOption{
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) {

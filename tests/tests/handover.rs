@@ -983,23 +983,232 @@ async fn a_connection_whose_client_does_not_read_stays_with_the_old_agent() {
     drop(successor);
 }
 
+/// One new egress connection as kube-apiserver makes it in gRPC mode (a
+/// tunnel of its own over the server's socket): a dial, a line echoed back.
+async fn egress_round_trip(uds: PathBuf, address: String) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let attempt = async {
+        let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let mut stream = tunnel.dial(&address).await.map_err(|e| format!("dial: {e}"))?;
+        stream
+            .write_all(&targets::header(b'E', 0, 0))
+            .await
+            .map_err(|e| e.to_string())?;
+        stream.write_all(b"ping\n").await.map_err(|e| e.to_string())?;
+        let mut answer = [0u8; 5];
+        stream
+            .read_exact(&mut answer)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        match &answer {
+            b"ping\n" => Ok(()),
+            other => Err(format!("echoed {other:?}")),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), attempt)
+        .await
+        .map_err(|_| "no answer within 10 s".to_owned())?
+}
+
+/// kube-apiserver's egress load on an agent being replaced, through the
+/// server's socket to `address` (an echo and blob target): 100 new
+/// connections a second (each a tunnel of its own, a dial and an echoed
+/// line), 20 grpc-go clients (what kube-apiserver's egress dialer is built
+/// on) each echoing a numbered line every 10 ms on one tunnel for 25 s, and
+/// a 1 GiB download read at 40 MiB/s, so that it spans the replacements.
+struct EgressLoad {
+    lines: Vec<tokio::task::JoinHandle<String>>,
+    download: tokio::task::JoinHandle<Result<[u8; 32], String>>,
+    stop: Arc<AtomicBool>,
+    new_connections: tokio::task::JoinHandle<(usize, Vec<String>)>,
+}
+
+/// What the egress load saw.
+struct EgressOutcome {
+    attempted: usize,
+    failed: Vec<String>,
+    echoed: u64,
+    longest_ms: u64,
+}
+
+const EGRESS_LONG_LIVED: usize = 20;
+const EGRESS_DOWNLOAD: u64 = 1 << 30;
+
+impl EgressLoad {
+    fn start(go_client: &Path, uds: &Path, address: &str) -> EgressLoad {
+        let mut lines = Vec::new();
+        for _ in 0..EGRESS_LONG_LIVED {
+            let mut command = tokio::process::Command::new(go_client);
+            command
+                .arg("-socket")
+                .arg(uds)
+                .arg("-echo")
+                .arg(address)
+                .arg("-lines")
+                .arg("25s")
+                .kill_on_drop(true);
+            lines.push(tokio::spawn(crate::support::foreign::run_client(
+                command, "lines:",
+            )));
+        }
+        let download = {
+            let (uds, address) = (uds.to_owned(), address.to_owned());
+            tokio::spawn(async move {
+                let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let stream = tunnel.dial(&address).await.map_err(|e| e.to_string())?;
+                slow_download(stream, EGRESS_DOWNLOAD, 13, 40 << 20).await
+            })
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let new_connections = {
+            let (uds, address, stop) = (uds.to_owned(), address.to_owned(), stop.clone());
+            tokio::spawn(async move {
+                let mut attempts = tokio::task::JoinSet::new();
+                let mut every = tokio::time::interval(Duration::from_millis(10));
+                let mut attempted = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    every.tick().await;
+                    attempted += 1;
+                    attempts.spawn(egress_round_trip(uds.clone(), address.clone()));
+                }
+                let mut failed = Vec::new();
+                while let Some(outcome) = attempts.join_next().await {
+                    if let Err(error) = outcome.unwrap() {
+                        failed.push(error);
+                    }
+                }
+                (attempted, failed)
+            })
+        };
+        EgressLoad {
+            lines,
+            download,
+            stop,
+            new_connections,
+        }
+    }
+
+    /// Stops the new connections, waits for the rest, and asserts that the
+    /// long-lived ones and the download came through whole (`handed`, the
+    /// hand-over lines, go into the failure).
+    async fn finish(self, handed: &[String]) -> EgressOutcome {
+        self.stop.store(true, Ordering::Relaxed);
+        let (attempted, failed) = self.new_connections.await.unwrap();
+        let handed = handed.join("\n");
+        let mut longest_ms = 0u64;
+        let mut echoed = 0u64;
+        for (i, client) in self.lines.into_iter().enumerate() {
+            let output = tokio::time::timeout(Duration::from_secs(60), client)
+                .await
+                .expect("the grpc-go client finishes")
+                .unwrap_or_else(|broke| panic!("grpc-go client {i}: {broke}\nhand-overs:\n{handed}"));
+            let summary = output.split("lines: ").nth(1).unwrap_or_default();
+            echoed += summary
+                .split(' ')
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            let longest: u64 = summary
+                .split("longest wait ")
+                .nth(1)
+                .and_then(|rest| rest.trim().strip_suffix("ms"))
+                .and_then(|ms| ms.parse().ok())
+                .unwrap_or_else(|| panic!("no longest wait in {output}"));
+            longest_ms = longest_ms.max(longest);
+        }
+        let digest = self
+            .download
+            .await
+            .unwrap()
+            .unwrap_or_else(|broke| panic!("the download: {broke}\nhand-overs:\n{handed}"));
+        assert_eq!(
+            digest,
+            targets::pattern_digest(EGRESS_DOWNLOAD, 13),
+            "1 GiB arrived changed"
+        );
+        EgressOutcome {
+            attempted,
+            failed,
+            echoed,
+            longest_ms,
+        }
+    }
+}
+
+impl EgressOutcome {
+    /// Prints the figures and asserts: no new connection failed, no line
+    /// waited a second, and every hand-over handed every session.
+    fn assert_whole(&self, handed: &[String], descriptors: (usize, usize)) {
+        let (first_fds, last_fds) = descriptors;
+        println!(
+            "new connections: {} attempted, {} failed; lines: {} echoed on {EGRESS_LONG_LIVED} tunnels, \
+             longest wait {} ms; descriptors: first agent {first_fds}, last {last_fds}\nhand-overs:\n{}",
+            self.attempted,
+            self.failed.len(),
+            self.echoed,
+            self.longest_ms,
+            handed.join("\n")
+        );
+        assert!(
+            self.failed.is_empty(),
+            "failed new connections:\n{}",
+            self.failed.join("\n")
+        );
+        // The first agent has one session; each later one also the session
+        // its predecessor handed over (it ends once its connections have).
+        for line in handed {
+            assert!(
+                !line.contains("handed_over=0")
+                    && line.contains("busy=0")
+                    && line.contains("not_sent=0")
+                    && line.contains("not_resumable=0"),
+                "every agent stream's session was handed over: {line}"
+            );
+        }
+        assert!(
+            self.longest_ms < 1000,
+            "grpc-go's lines paused {} ms during the hand-overs (budget: under 1 s)",
+            self.longest_ms
+        );
+        assert!(
+            last_fds <= first_fds + 4,
+            "descriptors: first agent {first_fds}, last {last_fds}"
+        );
+    }
+}
+
+/// The old agent's hand-over line for its egress sessions, once it exited
+/// at its SIGTERM with nothing left to drain.
+fn egress_handover_line(n: usize, log: &str) -> String {
+    let line = log
+        .lines()
+        .find(|line| line.contains("egress sessions (agent streams and their connections) handed"))
+        .unwrap_or_else(|| panic!("replacement {n}: no egress hand-over line in\n{log}"))
+        .to_owned();
+    assert!(
+        log.contains("open connections done; exiting"),
+        "replacement {n}: the old agent had connections left to drain ({line}):\n{log}"
+    );
+    line
+}
+
 /// Five rolling replacements of a node agent that is also its node's egress
 /// agent, with `--drain-timeout=5s` so that nothing can outlive a
-/// replacement by draining, while kube-apiserver's side holds egress
-/// connections through it: grpc-go (what kube-apiserver's egress dialer is
-/// built on) echoing a numbered line every 10 ms through the agent to a
-/// target on the node, and a 256 MiB download, read slowly enough to span
-/// the replacements. Each old agent hands its agent stream's session to its
-/// successor, which resumes it at the server: no line goes missing, doubled
-/// or out of order, the longest wait for a line stays under a second, the
-/// download's SHA-256 is intact, and each old agent exits at its SIGTERM
-/// with nothing left to drain. Without the hand-over of egress sessions the
-/// first old agent drains for the 5 s and exits with both connections open.
+/// replacement by draining, under kube-apiserver's egress load
+/// ([`EgressLoad`]) to a target on the node. Each old agent hands its agent
+/// stream's session to its successor, which resumes it at the server: no new
+/// connection fails, no line goes missing, doubled or out of order or waits
+/// a second, the download's SHA-256 is intact, each old agent exits at its
+/// SIGTERM with nothing left to drain, one agent runs after each
+/// replacement, and the last holds about the first one's descriptors.
+/// Without the hand-over of egress sessions the first old agent drains for
+/// the 5 s and exits with every long-lived connection open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolling_replacements_hand_egress_sessions_over() {
-    const DOWNLOAD: u64 = 256 << 20;
-    // About 20 s of transfer: it spans the replacements.
-    const DOWNLOAD_RATE: u64 = 12 << 20;
     const EGRESS_TARGET: &str = "10.222.0.1:7100";
     if !root_or_skip("rolling_replacements_hand_egress_sessions_over") {
         return;
@@ -1015,29 +1224,9 @@ async fn rolling_replacements_hand_egress_sessions_over() {
     let mut agent = topology.start_node_agent(&args);
     topology.wait_node_ready().await;
     let dir = topology.dir.path().to_owned();
-    let uds = dir.join("kas-egress.sock");
-
-    let mut command = tokio::process::Command::new(&go_client);
-    command
-        .arg("-socket")
-        .arg(&uds)
-        .arg("-echo")
-        .arg(EGRESS_TARGET)
-        .arg("-lines")
-        .arg("25s")
-        .kill_on_drop(true);
-    let lines = tokio::spawn(crate::support::foreign::run_client(command, "lines:"));
-    let download = {
-        let uds = uds.clone();
-        tokio::spawn(async move {
-            let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
-                .await
-                .map_err(|e| e.to_string())?;
-            let stream = tunnel.dial(EGRESS_TARGET).await.map_err(|e| e.to_string())?;
-            slow_download(stream, DOWNLOAD, 11, DOWNLOAD_RATE).await
-        })
-    };
+    let load = EgressLoad::start(&go_client, &dir.join("kas-egress.sock"), EGRESS_TARGET);
     tokio::time::sleep(Duration::from_secs(1)).await;
+    let first_fds = descriptors(agent.pid()).len();
 
     let mut handed = Vec::new();
     for n in 0..REPLACEMENTS {
@@ -1047,73 +1236,26 @@ async fn rolling_replacements_hand_egress_sessions_over() {
         agent.signal("TERM");
         let status = agent.wait_exit(Duration::from_secs(20)).await;
         assert!(status.is_some(), "replacement {n}: the old agent did not exit");
-        let log = agent.log_text();
-        let line = log
-            .lines()
-            .find(|line| line.contains("egress sessions (agent streams and their connections) handed"))
-            .unwrap_or_else(|| panic!("replacement {n}: no egress hand-over line in\n{log}"))
-            .to_owned();
-        assert!(
-            log.contains("open connections done; exiting"),
-            "replacement {n}: the old agent had connections left to drain ({line}):\n{log}"
-        );
-        handed.push(line);
+        handed.push(egress_handover_line(n, &agent.log_text()));
         assert_eq!(node_agents(&dir).len(), 1, "replacement {n}: one agent runs");
         agent = successor;
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let output = tokio::time::timeout(Duration::from_secs(60), lines)
-        .await
-        .expect("the grpc-go client finishes")
-        .unwrap();
-    let longest_ms: u64 = output
-        .split("longest wait ")
-        .nth(1)
-        .and_then(|rest| rest.trim().strip_suffix("ms"))
-        .and_then(|ms| ms.parse().ok())
-        .unwrap_or_else(|| panic!("no longest wait in {output}\nhand-overs:\n{}", handed.join("\n")));
-    let digest = download
-        .await
-        .unwrap()
-        .unwrap_or_else(|broke| panic!("the download: {broke}\nhand-overs:\n{}", handed.join("\n")));
-    assert_eq!(
-        digest,
-        targets::pattern_digest(DOWNLOAD, 11),
-        "the download arrived changed"
-    );
-    println!("{}\nhand-overs:\n{}", output.trim(), handed.join("\n"));
-    // The first agent has one session; each later one also the session its
-    // predecessor handed over (it ends once its connections have).
-    for line in &handed {
-        assert!(
-            !line.contains("handed_over=0")
-                && line.contains("busy=0")
-                && line.contains("not_sent=0")
-                && line.contains("not_resumable=0"),
-            "every agent stream's session was handed over: {line}"
-        );
-    }
-    assert!(
-        longest_ms < 1000,
-        "grpc-go's lines paused {longest_ms} ms during the hand-overs (budget: under 1 s)"
-    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let last_fds = descriptors(agent.pid()).len();
+    let outcome = load.finish(&handed).await;
+    outcome.assert_whole(&handed, (first_fds, last_fds));
     drop(agent);
 }
 
-/// A plain egress agent (no node role) rolled five times as an egress
-/// DaemonSet with maxSurge rolls it: each successor starts beside the old
-/// agent with `--egress-handover` and the same `--handover-socket`, takes
-/// its agent stream's session over once it holds a stream of its own, and
-/// the old agent then gets SIGTERM (`--drain-timeout=5s`, so nothing can
-/// outlive a replacement by draining). grpc-go echoes a numbered line every
-/// 10 ms through the agents and our client downloads 256 MiB slowly enough
-/// to span the replacements: every line comes back once and in order
-/// within a second, the download is intact, and each old agent exits at its
-/// SIGTERM with nothing left to drain. No root needed: loopback only.
+/// As [`rolling_replacements_hand_egress_sessions_over`], for a plain
+/// egress agent (no node role) rolled as an egress DaemonSet with maxSurge
+/// rolls it: each successor starts beside the old agent with
+/// `--egress-handover` and the same `--handover-socket`, takes its agent
+/// stream's session over once it holds a stream of its own, and the old
+/// agent then gets SIGTERM. No root needed: loopback only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
-    const DOWNLOAD: u64 = 256 << 20;
-    const DOWNLOAD_RATE: u64 = 16 << 20;
     let Some(go_client) = crate::support::foreign::grpc_go_client() else {
         return;
     };
@@ -1128,30 +1270,9 @@ async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
     ];
     let mut setup = crate::support::cluster::Setup::start("grpc", true, &args).await;
     let target = targets::blob().await;
-    let address = target.addr.to_string();
-    let uds = setup.server.uds_path().to_owned();
-
-    let mut command = tokio::process::Command::new(&go_client);
-    command
-        .arg("-socket")
-        .arg(&uds)
-        .arg("-echo")
-        .arg(&address)
-        .arg("-lines")
-        .arg("20s")
-        .kill_on_drop(true);
-    let lines = tokio::spawn(crate::support::foreign::run_client(command, "lines:"));
-    let download = {
-        let (uds, address) = (uds.clone(), address.clone());
-        tokio::spawn(async move {
-            let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
-                .await
-                .map_err(|e| e.to_string())?;
-            let stream = tunnel.dial(&address).await.map_err(|e| e.to_string())?;
-            slow_download(stream, DOWNLOAD, 13, DOWNLOAD_RATE).await
-        })
-    };
+    let load = EgressLoad::start(&go_client, setup.server.uds_path(), &target.addr.to_string());
     tokio::time::sleep(Duration::from_secs(1)).await;
+    let first_fds = descriptors(setup.agent.proc.pid()).len();
 
     let mut handed = Vec::new();
     for n in 0..REPLACEMENTS {
@@ -1171,50 +1292,11 @@ async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
         old.proc.signal("TERM");
         let status = old.proc.wait_exit(Duration::from_secs(20)).await;
         assert!(status.is_some(), "replacement {n}: the old agent did not exit");
-        let log = old.proc.log_text();
-        let line = log
-            .lines()
-            .find(|line| line.contains("egress sessions (agent streams and their connections) handed"))
-            .unwrap_or_else(|| panic!("replacement {n}: no egress hand-over line in\n{log}"))
-            .to_owned();
-        assert!(
-            log.contains("open connections done; exiting"),
-            "replacement {n}: the old agent had connections left to drain ({line}):\n{log}"
-        );
-        handed.push(line);
+        handed.push(egress_handover_line(n, &old.proc.log_text()));
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    let output = tokio::time::timeout(Duration::from_secs(60), lines)
-        .await
-        .expect("the grpc-go client finishes")
-        .unwrap();
-    let longest_ms: u64 = output
-        .split("longest wait ")
-        .nth(1)
-        .and_then(|rest| rest.trim().strip_suffix("ms"))
-        .and_then(|ms| ms.parse().ok())
-        .unwrap_or_else(|| panic!("no longest wait in {output}\nhand-overs:\n{}", handed.join("\n")));
-    let digest = download
-        .await
-        .unwrap()
-        .unwrap_or_else(|broke| panic!("the download: {broke}\nhand-overs:\n{}", handed.join("\n")));
-    assert_eq!(
-        digest,
-        targets::pattern_digest(DOWNLOAD, 13),
-        "the download arrived changed"
-    );
-    println!("{}\nhand-overs:\n{}", output.trim(), handed.join("\n"));
-    for line in &handed {
-        assert!(
-            !line.contains("handed_over=0")
-                && line.contains("busy=0")
-                && line.contains("not_sent=0")
-                && line.contains("not_resumable=0"),
-            "every agent stream's session was handed over: {line}"
-        );
-    }
-    assert!(
-        longest_ms < 1000,
-        "grpc-go's lines paused {longest_ms} ms during the hand-overs (budget: under 1 s)"
-    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let last_fds = descriptors(setup.agent.proc.pid()).len();
+    let outcome = load.finish(&handed).await;
+    outcome.assert_whole(&handed, (first_fds, last_fds));
 }
