@@ -545,7 +545,7 @@ async fn a_new_agent_that_cannot_reach_the_server_never_takes_over() {
 /// Runs until `stop`; when each line was sent and how long it took to come
 /// back, or what broke.
 async fn numbered_lines(
-    mut stream: tokio::net::TcpStream,
+    mut stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
     stop: Arc<AtomicBool>,
 ) -> Result<Vec<(Instant, Duration)>, String> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -553,7 +553,7 @@ async fn numbered_lines(
         .write_all(&targets::header(b'E', 0, 0))
         .await
         .map_err(|e| e.to_string())?;
-    let (read, mut write) = stream.into_split();
+    let (read, mut write) = tokio::io::split(stream);
     let mut lines = BufReader::new(read).lines();
     let mut round_trips = Vec::new();
     while !stop.load(Ordering::Relaxed) {
@@ -983,15 +983,47 @@ async fn a_connection_whose_client_does_not_read_stays_with_the_old_agent() {
     drop(successor);
 }
 
-/// One new egress connection as kube-apiserver makes it in gRPC mode (a
-/// tunnel of its own over the server's socket): a dial, a line echoed back.
-async fn egress_round_trip(uds: PathBuf, address: String) -> Result<(), String> {
+/// An egress connection's two directions, whichever frontend opened it.
+trait Duplex: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Duplex for S {}
+
+/// How kube-apiserver reaches the server's socket: gRPC (grpc-go's client
+/// holds the long-lived tunnels), or HTTP CONNECT.
+#[derive(Clone)]
+enum Frontend {
+    Grpc { go_client: PathBuf },
+    Connect,
+}
+
+/// An egress connection to `address` through the server's socket at `uds`,
+/// opened as kube-apiserver opens one in `frontend`'s mode (in gRPC mode a
+/// tunnel of its own, as konnectivity-client's).
+async fn egress_connection(
+    frontend: &Frontend,
+    uds: &Path,
+    address: &str,
+) -> Result<Box<dyn Duplex>, String> {
+    match frontend {
+        Frontend::Grpc { .. } => {
+            let tunnel = konnectivity_client::Tunnel::connect_uds(uds)
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let stream = tunnel.dial(address).await.map_err(|e| format!("dial: {e}"))?;
+            Ok(Box::new(stream))
+        }
+        Frontend::Connect => match crate::support::connect::via_uds(uds, address).await {
+            Ok(Ok(stream)) => Ok(Box::new(stream)),
+            Ok(Err(refused)) => Err(format!("CONNECT refused: {}", refused.head)),
+            Err(error) => Err(format!("CONNECT: {error}")),
+        },
+    }
+}
+
+/// One new egress connection: a dial, a line echoed back.
+async fn egress_round_trip(frontend: Frontend, uds: PathBuf, address: String) -> Result<(), String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let attempt = async {
-        let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
-        let mut stream = tunnel.dial(&address).await.map_err(|e| format!("dial: {e}"))?;
+        let mut stream = egress_connection(&frontend, &uds, &address).await?;
         stream
             .write_all(&targets::header(b'E', 0, 0))
             .await
@@ -1012,14 +1044,54 @@ async fn egress_round_trip(uds: PathBuf, address: String) -> Result<(), String> 
         .map_err(|_| "no answer within 10 s".to_owned())?
 }
 
+/// A long-lived egress connection echoing a numbered line every 10 ms: in
+/// gRPC mode grpc-go's client for 25 s, in CONNECT mode until `stop`. The
+/// lines echoed and the longest wait for one, ms.
+async fn egress_lines(
+    frontend: Frontend,
+    uds: PathBuf,
+    address: String,
+    stop: Arc<AtomicBool>,
+) -> Result<(u64, u64), String> {
+    match frontend {
+        Frontend::Grpc { go_client } => {
+            let mut command = tokio::process::Command::new(go_client);
+            command
+                .arg("-socket")
+                .arg(&uds)
+                .arg("-echo")
+                .arg(&address)
+                .arg("-lines")
+                .arg("25s")
+                .kill_on_drop(true);
+            let output = crate::support::foreign::run_client(command, "lines:").await;
+            let summary = output.split("lines: ").nth(1).unwrap_or_default();
+            let echoed = summary.split(' ').next().and_then(|n| n.parse().ok());
+            let longest = summary
+                .split("longest wait ")
+                .nth(1)
+                .and_then(|rest| rest.trim().strip_suffix("ms"))
+                .and_then(|ms| ms.parse().ok());
+            echoed
+                .zip(longest)
+                .ok_or_else(|| format!("no summary in {output}"))
+        }
+        Frontend::Connect => {
+            let stream = egress_connection(&Frontend::Connect, &uds, &address).await?;
+            let lines = numbered_lines(stream, stop).await?;
+            let longest = lines.iter().map(|(_, took)| took.as_millis() as u64).max();
+            Ok((lines.len() as u64, longest.unwrap_or(0)))
+        }
+    }
+}
+
 /// kube-apiserver's egress load on an agent being replaced, through the
 /// server's socket to `address` (an echo and blob target): 100 new
-/// connections a second (each a tunnel of its own, a dial and an echoed
-/// line), 20 grpc-go clients (what kube-apiserver's egress dialer is built
-/// on) each echoing a numbered line every 10 ms on one tunnel for 25 s, and
-/// a 1 GiB download read at 40 MiB/s, so that it spans the replacements.
+/// connections a second (each a dial and an echoed line), 20 long-lived
+/// connections each echoing a numbered line every 10 ms ([`egress_lines`]),
+/// and a 1 GiB download read at 40 MiB/s, so that it spans the replacements.
 struct EgressLoad {
-    lines: Vec<tokio::task::JoinHandle<String>>,
+    lines: Vec<tokio::task::JoinHandle<Result<(u64, u64), String>>>,
     download: tokio::task::JoinHandle<Result<[u8; 32], String>>,
     stop: Arc<AtomicBool>,
     new_connections: tokio::task::JoinHandle<(usize, Vec<String>)>,
@@ -1037,33 +1109,25 @@ const EGRESS_LONG_LIVED: usize = 20;
 const EGRESS_DOWNLOAD: u64 = 1 << 30;
 
 impl EgressLoad {
-    fn start(go_client: &Path, uds: &Path, address: &str) -> EgressLoad {
-        let mut lines = Vec::new();
-        for _ in 0..EGRESS_LONG_LIVED {
-            let mut command = tokio::process::Command::new(go_client);
-            command
-                .arg("-socket")
-                .arg(uds)
-                .arg("-echo")
-                .arg(address)
-                .arg("-lines")
-                .arg("25s")
-                .kill_on_drop(true);
-            lines.push(tokio::spawn(crate::support::foreign::run_client(
-                command, "lines:",
-            )));
-        }
+    fn start(frontend: Frontend, uds: &Path, address: &str) -> EgressLoad {
+        let stop = Arc::new(AtomicBool::new(false));
+        let lines = (0..EGRESS_LONG_LIVED)
+            .map(|_| {
+                tokio::spawn(egress_lines(
+                    frontend.clone(),
+                    uds.to_owned(),
+                    address.to_owned(),
+                    stop.clone(),
+                ))
+            })
+            .collect();
         let download = {
-            let (uds, address) = (uds.to_owned(), address.to_owned());
+            let (frontend, uds, address) = (frontend.clone(), uds.to_owned(), address.to_owned());
             tokio::spawn(async move {
-                let tunnel = konnectivity_client::Tunnel::connect_uds(&uds)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let stream = tunnel.dial(&address).await.map_err(|e| e.to_string())?;
+                let stream = egress_connection(&frontend, &uds, &address).await?;
                 slow_download(stream, EGRESS_DOWNLOAD, 13, 40 << 20).await
             })
         };
-        let stop = Arc::new(AtomicBool::new(false));
         let new_connections = {
             let (uds, address, stop) = (uds.to_owned(), address.to_owned(), stop.clone());
             tokio::spawn(async move {
@@ -1073,7 +1137,7 @@ impl EgressLoad {
                 while !stop.load(Ordering::Relaxed) {
                     every.tick().await;
                     attempted += 1;
-                    attempts.spawn(egress_round_trip(uds.clone(), address.clone()));
+                    attempts.spawn(egress_round_trip(frontend.clone(), uds.clone(), address.clone()));
                 }
                 let mut failed = Vec::new();
                 while let Some(outcome) = attempts.join_next().await {
@@ -1092,32 +1156,23 @@ impl EgressLoad {
         }
     }
 
-    /// Stops the new connections, waits for the rest, and asserts that the
-    /// long-lived ones and the download came through whole (`handed`, the
-    /// hand-over lines, go into the failure).
+    /// Stops the new and the CONNECT mode's long-lived connections, waits
+    /// for the rest, and asserts that the long-lived ones and the download
+    /// came through whole (`handed`, the hand-over lines, go into the
+    /// failure).
     async fn finish(self, handed: &[String]) -> EgressOutcome {
         self.stop.store(true, Ordering::Relaxed);
         let (attempted, failed) = self.new_connections.await.unwrap();
         let handed = handed.join("\n");
         let mut longest_ms = 0u64;
         let mut echoed = 0u64;
-        for (i, client) in self.lines.into_iter().enumerate() {
-            let output = tokio::time::timeout(Duration::from_secs(60), client)
+        for (i, connection) in self.lines.into_iter().enumerate() {
+            let (lines, longest) = tokio::time::timeout(Duration::from_secs(60), connection)
                 .await
-                .expect("the grpc-go client finishes")
-                .unwrap_or_else(|broke| panic!("grpc-go client {i}: {broke}\nhand-overs:\n{handed}"));
-            let summary = output.split("lines: ").nth(1).unwrap_or_default();
-            echoed += summary
-                .split(' ')
-                .next()
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(0);
-            let longest: u64 = summary
-                .split("longest wait ")
-                .nth(1)
-                .and_then(|rest| rest.trim().strip_suffix("ms"))
-                .and_then(|ms| ms.parse().ok())
-                .unwrap_or_else(|| panic!("no longest wait in {output}"));
+                .expect("the long-lived connection finishes")
+                .unwrap_or_else(|broke| panic!("long-lived connection {i}: {broke}\nhand-overs:\n{handed}"))
+                .unwrap_or_else(|broke| panic!("long-lived connection {i}: {broke}\nhand-overs:\n{handed}"));
+            echoed += lines;
             longest_ms = longest_ms.max(longest);
         }
         let digest = self
@@ -1141,11 +1196,12 @@ impl EgressLoad {
 
 impl EgressOutcome {
     /// Prints the figures and asserts: no new connection failed, no line
-    /// waited a second, and every hand-over handed every session.
+    /// waited a second, every hand-over handed every session, and the last
+    /// agent holds about the first one's descriptors.
     fn assert_whole(&self, handed: &[String], descriptors: (usize, usize)) {
         let (first_fds, last_fds) = descriptors;
         println!(
-            "new connections: {} attempted, {} failed; lines: {} echoed on {EGRESS_LONG_LIVED} tunnels, \
+            "new connections: {} attempted, {} failed; lines: {} echoed on {EGRESS_LONG_LIVED} connections, \
              longest wait {} ms; descriptors: first agent {first_fds}, last {last_fds}\nhand-overs:\n{}",
             self.attempted,
             self.failed.len(),
@@ -1171,7 +1227,7 @@ impl EgressOutcome {
         }
         assert!(
             self.longest_ms < 1000,
-            "grpc-go's lines paused {} ms during the hand-overs (budget: under 1 s)",
+            "the long-lived connections' lines paused {} ms during the hand-overs (budget: under 1 s)",
             self.longest_ms
         );
         assert!(
@@ -1199,14 +1255,14 @@ fn egress_handover_line(n: usize, log: &str) -> String {
 /// Five rolling replacements of a node agent that is also its node's egress
 /// agent, with `--drain-timeout=5s` so that nothing can outlive a
 /// replacement by draining, under kube-apiserver's egress load
-/// ([`EgressLoad`]) to a target on the node. Each old agent hands its agent
-/// stream's session to its successor, which resumes it at the server: no new
-/// connection fails, no line goes missing, doubled or out of order or waits
-/// a second, the download's SHA-256 is intact, each old agent exits at its
-/// SIGTERM with nothing left to drain, one agent runs after each
-/// replacement, and the last holds about the first one's descriptors.
-/// Without the hand-over of egress sessions the first old agent drains for
-/// the 5 s and exits with every long-lived connection open.
+/// ([`EgressLoad`], gRPC mode) to a target on the node. Each old agent hands
+/// its agent stream's session to its successor, which resumes it at the
+/// server: no new connection fails, no line goes missing, doubled or out of
+/// order or waits a second, the download's SHA-256 is intact, each old
+/// agent exits at its SIGTERM with nothing left to drain, one agent runs
+/// after each replacement, and the last holds about the first one's
+/// descriptors. Without the hand-over of egress sessions the first old
+/// agent drains for the 5 s and exits with every long-lived connection open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolling_replacements_hand_egress_sessions_over() {
     const EGRESS_TARGET: &str = "10.222.0.1:7100";
@@ -1224,7 +1280,11 @@ async fn rolling_replacements_hand_egress_sessions_over() {
     let mut agent = topology.start_node_agent(&args);
     topology.wait_node_ready().await;
     let dir = topology.dir.path().to_owned();
-    let load = EgressLoad::start(&go_client, &dir.join("kas-egress.sock"), EGRESS_TARGET);
+    let load = EgressLoad::start(
+        Frontend::Grpc { go_client },
+        &dir.join("kas-egress.sock"),
+        EGRESS_TARGET,
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let first_fds = descriptors(agent.pid()).len();
 
@@ -1248,17 +1308,15 @@ async fn rolling_replacements_hand_egress_sessions_over() {
     drop(agent);
 }
 
-/// As [`rolling_replacements_hand_egress_sessions_over`], for a plain
-/// egress agent (no node role) rolled as an egress DaemonSet with maxSurge
-/// rolls it: each successor starts beside the old agent with
-/// `--egress-handover` and the same `--handover-socket`, takes its agent
-/// stream's session over once it holds a stream of its own, and the old
-/// agent then gets SIGTERM. No root needed: loopback only.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
-    let Some(go_client) = crate::support::foreign::grpc_go_client() else {
-        return;
-    };
+/// Five rolling replacements of a plain egress agent (no node role) as an
+/// egress DaemonSet with maxSurge rolls it: each successor starts beside the
+/// old agent with `--egress-handover` and the same `--handover-socket`,
+/// takes its agent stream's session over once it holds a stream of its own,
+/// and the old agent then gets SIGTERM (`--drain-timeout=5s`). Under
+/// kube-apiserver's egress load ([`EgressLoad`]) through the server's socket
+/// in `mode`; asserts what [`EgressOutcome::assert_whole`] does. Loopback
+/// only: no root needed.
+async fn replace_plain_egress_agent(mode: &str, frontend: Frontend) {
     let handover_dir = crate::support::TempDir::new("konn-egress-handover");
     let args = vec![
         "--egress-handover".to_owned(),
@@ -1268,9 +1326,9 @@ async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
         ),
         "--drain-timeout=5s".to_owned(),
     ];
-    let mut setup = crate::support::cluster::Setup::start("grpc", true, &args).await;
+    let mut setup = crate::support::cluster::Setup::start(mode, true, &args).await;
     let target = targets::blob().await;
-    let load = EgressLoad::start(&go_client, setup.server.uds_path(), &target.addr.to_string());
+    let load = EgressLoad::start(frontend, setup.server.uds_path(), &target.addr.to_string());
     tokio::time::sleep(Duration::from_secs(1)).await;
     let first_fds = descriptors(setup.agent.proc.pid()).len();
 
@@ -1299,4 +1357,22 @@ async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
     let last_fds = descriptors(setup.agent.proc.pid()).len();
     let outcome = load.finish(&handed).await;
     outcome.assert_whole(&handed, (first_fds, last_fds));
+}
+
+/// [`replace_plain_egress_agent`] with kube-apiserver in gRPC mode (grpc-go
+/// holds the long-lived tunnels).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
+    let Some(go_client) = crate::support::foreign::grpc_go_client() else {
+        return;
+    };
+    replace_plain_egress_agent("grpc", Frontend::Grpc { go_client }).await;
+}
+
+/// [`replace_plain_egress_agent`] with kube-apiserver in HTTP CONNECT mode
+/// over the server's socket (each connection a CONNECT as kube-apiserver
+/// writes it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_replacements_of_a_plain_egress_agent_hand_http_connect_tunnels_over() {
+    replace_plain_egress_agent("http-connect", Frontend::Connect).await;
 }
