@@ -22,8 +22,11 @@
 # five rolling replacements with established connections (20 numbered-line
 # connections, a 1 GiB download, 100 new connections a second,
 # --drain-timeout=5s): how long a connection pauses while it is handed to the
-# new agent, p50 and max (tests/tests/handover.rs's scenarios from a release
-# build; root, as root installs containerd, runc and what the pod tests use).
+# new agent, p50 and max; and the egress agent (--egress-handover) rolled five
+# times under kube-apiserver's egress load through either frontend (grpc-go's
+# line clients in gRPC mode): failed connections and the pauses
+# (tests/tests/handover.rs's scenarios from a release build; root, as root
+# installs containerd, runc and what the pod tests use).
 #
 # bash hack/bench.sh --resume: the agent's connection cut 50 times (ss -K)
 # under a back-to-back echo: the time from a cut to data flowing again, p50,
@@ -40,7 +43,8 @@ if [[ "${1:-}" == "--resume" ]]; then
 fi
 
 if [[ "${1:-}" == "--handover" ]]; then
-  packages=(curl iproute2 nftables iptables nginx-light containernetworking-plugins containerd runc protobuf-compiler)
+  packages=(curl iproute2 nftables iptables nginx-light containernetworking-plugins containerd runc protobuf-compiler
+    golang-go golang-google-grpc-dev golang-google-protobuf-dev)
   missing=()
   for package in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")

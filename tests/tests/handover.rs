@@ -403,13 +403,20 @@ async fn handover_benchmark() {
         "the benchmark needs root and containerd"
     );
     const RUNS: usize = 3;
+    let go_client = crate::support::foreign::grpc_go_client().expect("the grpc-go client builds");
     let (mut rolling, mut killed, mut established) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut egress_grpc, mut egress_connect) = (Vec::new(), Vec::new());
     for _ in 0..RUNS {
         let (mut node, mut pods) = node_with_a_pod(false).await;
         rolling.push(replace_rolling(&mut node, &mut pods, false).await);
         let (mut node, mut pods) = node_with_a_pod(false).await;
         killed.push(replace_by_killing(&mut node, &mut pods).await);
         established.push(replace_rolling_with_established_connections().await);
+        let grpc = Frontend::Grpc {
+            go_client: go_client.clone(),
+        };
+        egress_grpc.push(replace_plain_egress_agent("grpc", grpc).await.0);
+        egress_connect.push(replace_plain_egress_agent("http-connect", Frontend::Connect).await);
     }
     let ms = |d: Duration| format!("{:.0}", d.as_secs_f64() * 1000.0);
     let median = |mut values: Vec<Duration>| {
@@ -480,6 +487,28 @@ async fn handover_benchmark() {
         established
             .iter()
             .map(|e| format!("{:.1}", e.round_trip.as_secs_f64() * 1000.0))
+            .collect(),
+    );
+    row(
+        "egress agent rolled (`--egress-handover`), 100 new/s, 20 lines every 10 ms, 1 GiB: new connections failed, gRPC / CONNECT",
+        egress_grpc
+            .iter()
+            .zip(&egress_connect)
+            .map(|(grpc, (connect, _))| format!("{} / {}", grpc.failed.len(), connect.failed.len()))
+            .collect(),
+    );
+    row(
+        "egress, HTTP CONNECT: pause of a connection during a hand-over, ms (p50; max of 100)",
+        egress_connect
+            .iter()
+            .map(|(_, pauses)| p50_and_max(pauses.clone()))
+            .collect(),
+    );
+    row(
+        "egress, gRPC: grpc-go's longest wait for a line over the five hand-overs, ms",
+        egress_grpc
+            .iter()
+            .map(|grpc| grpc.longest_ms.to_string())
             .collect(),
     );
     row(
@@ -1044,15 +1073,23 @@ async fn egress_round_trip(frontend: Frontend, uds: PathBuf, address: String) ->
         .map_err(|_| "no answer within 10 s".to_owned())?
 }
 
+/// What a long-lived egress connection saw.
+struct LinesSeen {
+    echoed: u64,
+    longest_ms: u64,
+    /// When each line was sent and how long it took to come back (CONNECT
+    /// mode; grpc-go's client reports the longest wait only).
+    round_trips: Vec<(Instant, Duration)>,
+}
+
 /// A long-lived egress connection echoing a numbered line every 10 ms: in
-/// gRPC mode grpc-go's client for 25 s, in CONNECT mode until `stop`. The
-/// lines echoed and the longest wait for one, ms.
+/// gRPC mode grpc-go's client for 25 s, in CONNECT mode until `stop`.
 async fn egress_lines(
     frontend: Frontend,
     uds: PathBuf,
     address: String,
     stop: Arc<AtomicBool>,
-) -> Result<(u64, u64), String> {
+) -> Result<LinesSeen, String> {
     match frontend {
         Frontend::Grpc { go_client } => {
             let mut command = tokio::process::Command::new(go_client);
@@ -1072,15 +1109,24 @@ async fn egress_lines(
                 .nth(1)
                 .and_then(|rest| rest.trim().strip_suffix("ms"))
                 .and_then(|ms| ms.parse().ok());
-            echoed
+            let (echoed, longest_ms) = echoed
                 .zip(longest)
-                .ok_or_else(|| format!("no summary in {output}"))
+                .ok_or_else(|| format!("no summary in {output}"))?;
+            Ok(LinesSeen {
+                echoed,
+                longest_ms,
+                round_trips: Vec::new(),
+            })
         }
         Frontend::Connect => {
             let stream = egress_connection(&Frontend::Connect, &uds, &address).await?;
-            let lines = numbered_lines(stream, stop).await?;
-            let longest = lines.iter().map(|(_, took)| took.as_millis() as u64).max();
-            Ok((lines.len() as u64, longest.unwrap_or(0)))
+            let round_trips = numbered_lines(stream, stop).await?;
+            let longest = round_trips.iter().map(|(_, took)| took.as_millis() as u64).max();
+            Ok(LinesSeen {
+                echoed: round_trips.len() as u64,
+                longest_ms: longest.unwrap_or(0),
+                round_trips,
+            })
         }
     }
 }
@@ -1091,7 +1137,7 @@ async fn egress_lines(
 /// connections each echoing a numbered line every 10 ms ([`egress_lines`]),
 /// and a 1 GiB download read at 40 MiB/s, so that it spans the replacements.
 struct EgressLoad {
-    lines: Vec<tokio::task::JoinHandle<Result<(u64, u64), String>>>,
+    lines: Vec<tokio::task::JoinHandle<Result<LinesSeen, String>>>,
     download: tokio::task::JoinHandle<Result<[u8; 32], String>>,
     stop: Arc<AtomicBool>,
     new_connections: tokio::task::JoinHandle<(usize, Vec<String>)>,
@@ -1103,6 +1149,8 @@ struct EgressOutcome {
     failed: Vec<String>,
     echoed: u64,
     longest_ms: u64,
+    /// Each long-lived connection's lines (CONNECT mode).
+    round_trips: Vec<Vec<(Instant, Duration)>>,
 }
 
 const EGRESS_LONG_LIVED: usize = 20;
@@ -1166,14 +1214,16 @@ impl EgressLoad {
         let handed = handed.join("\n");
         let mut longest_ms = 0u64;
         let mut echoed = 0u64;
+        let mut round_trips = Vec::new();
         for (i, connection) in self.lines.into_iter().enumerate() {
-            let (lines, longest) = tokio::time::timeout(Duration::from_secs(60), connection)
+            let seen = tokio::time::timeout(Duration::from_secs(60), connection)
                 .await
                 .expect("the long-lived connection finishes")
                 .unwrap_or_else(|broke| panic!("long-lived connection {i}: {broke}\nhand-overs:\n{handed}"))
                 .unwrap_or_else(|broke| panic!("long-lived connection {i}: {broke}\nhand-overs:\n{handed}"));
-            echoed += lines;
-            longest_ms = longest_ms.max(longest);
+            echoed += seen.echoed;
+            longest_ms = longest_ms.max(seen.longest_ms);
+            round_trips.push(seen.round_trips);
         }
         let digest = self
             .download
@@ -1190,6 +1240,7 @@ impl EgressLoad {
             failed,
             echoed,
             longest_ms,
+            round_trips,
         }
     }
 }
@@ -1234,6 +1285,24 @@ impl EgressOutcome {
             last_fds <= first_fds + 4,
             "descriptors: first agent {first_fds}, last {last_fds}"
         );
+    }
+
+    /// For each replacement (`replacing`: when each began and ended) and
+    /// long-lived connection, the longest round trip of a line sent while
+    /// it ran: the pause the hand-over cost the connection (CONNECT mode).
+    fn pauses(&self, replacing: &[(Instant, Instant)]) -> Vec<Duration> {
+        let mut pauses = Vec::new();
+        for (began, ended) in replacing {
+            for lines in &self.round_trips {
+                let longest = lines
+                    .iter()
+                    .filter(|(at, _)| at >= began && at <= ended)
+                    .map(|(_, took)| *took)
+                    .max();
+                pauses.extend(longest);
+            }
+        }
+        pauses
     }
 }
 
@@ -1316,7 +1385,7 @@ async fn rolling_replacements_hand_egress_sessions_over() {
 /// kube-apiserver's egress load ([`EgressLoad`]) through the server's socket
 /// in `mode`; asserts what [`EgressOutcome::assert_whole`] does. Loopback
 /// only: no root needed.
-async fn replace_plain_egress_agent(mode: &str, frontend: Frontend) {
+async fn replace_plain_egress_agent(mode: &str, frontend: Frontend) -> (EgressOutcome, Vec<Duration>) {
     let handover_dir = crate::support::TempDir::new("konn-egress-handover");
     let args = vec![
         "--egress-handover".to_owned(),
@@ -1333,7 +1402,9 @@ async fn replace_plain_egress_agent(mode: &str, frontend: Frontend) {
     let first_fds = descriptors(setup.agent.proc.pid()).len();
 
     let mut handed = Vec::new();
+    let mut replacing = Vec::new();
     for n in 0..REPLACEMENTS {
+        let began = Instant::now();
         let successor = setup.start_agent("agent-1", &args);
         wait_until(
             Duration::from_secs(20),
@@ -1351,12 +1422,15 @@ async fn replace_plain_egress_agent(mode: &str, frontend: Frontend) {
         let status = old.proc.wait_exit(Duration::from_secs(20)).await;
         assert!(status.is_some(), "replacement {n}: the old agent did not exit");
         handed.push(egress_handover_line(n, &old.proc.log_text()));
+        replacing.push((began, Instant::now()));
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last_fds = descriptors(setup.agent.proc.pid()).len();
     let outcome = load.finish(&handed).await;
     outcome.assert_whole(&handed, (first_fds, last_fds));
+    let pauses = outcome.pauses(&replacing);
+    (outcome, pauses)
 }
 
 /// [`replace_plain_egress_agent`] with kube-apiserver in gRPC mode (grpc-go
@@ -1367,6 +1441,16 @@ async fn rolling_replacements_of_a_plain_egress_agent_hand_its_sessions_over() {
         return;
     };
     replace_plain_egress_agent("grpc", Frontend::Grpc { go_client }).await;
+}
+
+/// Pauses in milliseconds: the median, and the longest in parentheses.
+fn p50_and_max(mut pauses: Vec<Duration>) -> String {
+    pauses.sort();
+    let ms = |d: &Duration| format!("{:.0}", d.as_secs_f64() * 1000.0);
+    match (pauses.get(pauses.len() / 2), pauses.last()) {
+        (Some(p50), Some(max)) => format!("{} ({})", ms(p50), ms(max)),
+        _ => "-".to_owned(),
+    }
 }
 
 /// [`replace_plain_egress_agent`] with kube-apiserver in HTTP CONNECT mode
