@@ -210,6 +210,22 @@ struct StartEndpoint {
     in_hand: Option<(usize, Bytes)>,
 }
 
+/// Waits for an endpoint's task to stop, taking the closes reported meanwhile.
+async fn stopping_task<T>(
+    task: &mut JoinHandle<T>,
+    closed_rx: &mut mpsc::Receiver<EndpointClosed>,
+    closed_now: &mut HashMap<ConnectId, Option<String>>,
+) -> Result<T, tokio::task::JoinError> {
+    loop {
+        tokio::select! {
+            ended = &mut *task => return ended,
+            Some(closed) = closed_rx.recv() => {
+                closed_now.insert(closed.connect_id, closed.error);
+            }
+        }
+    }
+}
+
 /// One connection of a session handed over: `closing` carries the close's
 /// error when this side closed it (and no socket goes).
 fn handed_endpoint(
@@ -1092,14 +1108,16 @@ impl Session {
             let _ = self.on_endpoint_closed(closed).await;
         }
         self.stop_endpoints.send_replace(true);
+        // Closes reported while stopping: those endpoints go as closing. Taken
+        // while the tasks are awaited: a task reporting a close into a full
+        // channel would otherwise never stop.
+        let mut closed_now = HashMap::new();
         let mut stopped = Vec::with_capacity(self.endpoints.len());
         for (connect_id, mut entry) in self.endpoints.take_open() {
-            let reader = (&mut entry.state.reader).await;
-            let writer = (&mut entry.state.writer).await;
+            let reader = stopping_task(&mut entry.state.reader, closed_rx, &mut closed_now).await;
+            let writer = stopping_task(&mut entry.state.writer, closed_rx, &mut closed_now).await;
             stopped.push((connect_id, entry, reader, writer));
         }
-        // Closes reported while stopping: those endpoints go as closing.
-        let mut closed_now = HashMap::new();
         while let Ok(closed) = closed_rx.try_recv() {
             closed_now.insert(closed.connect_id, closed.error);
         }
