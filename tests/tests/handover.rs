@@ -1248,16 +1248,21 @@ impl EgressLoad {
 impl EgressOutcome {
     /// Prints the figures and asserts: no new connection failed, no line
     /// waited a second, every hand-over handed every session, and the last
-    /// agent holds about the first one's descriptors.
-    fn assert_whole(&self, handed: &[String], descriptors: (usize, usize)) {
+    /// agent holds about the first one's descriptors and live heap (both
+    /// read under the same load).
+    fn assert_whole(&self, handed: &[String], descriptors: (usize, usize), heap: (f64, f64)) {
         let (first_fds, last_fds) = descriptors;
+        let (first_heap, last_heap) = heap;
         println!(
             "new connections: {} attempted, {} failed; lines: {} echoed on {EGRESS_LONG_LIVED} connections, \
-             longest wait {} ms; descriptors: first agent {first_fds}, last {last_fds}\nhand-overs:\n{}",
+             longest wait {} ms; descriptors: first agent {first_fds}, last {last_fds}; live heap KiB: first {:.0}, \
+             last {:.0}\nhand-overs:\n{}",
             self.attempted,
             self.failed.len(),
             self.echoed,
             self.longest_ms,
+            first_heap / 1024.0,
+            last_heap / 1024.0,
             handed.join("\n")
         );
         assert!(
@@ -1284,6 +1289,10 @@ impl EgressOutcome {
         assert!(
             last_fds <= first_fds + 4,
             "descriptors: first agent {first_fds}, last {last_fds}"
+        );
+        assert!(
+            last_heap <= first_heap * 1.5 + 4.0 * 1024.0 * 1024.0,
+            "live heap: first agent {first_heap} bytes, last {last_heap}"
         );
     }
 
@@ -1356,6 +1365,7 @@ async fn rolling_replacements_hand_egress_sessions_over() {
     );
     tokio::time::sleep(Duration::from_secs(1)).await;
     let first_fds = descriptors(agent.pid()).len();
+    let first_heap = topology.node.metric(NODE_AGENT_HEALTH, HEAP).unwrap();
 
     let mut handed = Vec::new();
     for n in 0..REPLACEMENTS {
@@ -1372,8 +1382,9 @@ async fn rolling_replacements_hand_egress_sessions_over() {
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last_fds = descriptors(agent.pid()).len();
+    let last_heap = topology.node.metric(NODE_AGENT_HEALTH, HEAP).unwrap();
     let outcome = load.finish(&handed).await;
-    outcome.assert_whole(&handed, (first_fds, last_fds));
+    outcome.assert_whole(&handed, (first_fds, last_fds), (first_heap, last_heap));
     drop(agent);
 }
 
@@ -1400,6 +1411,8 @@ async fn replace_plain_egress_agent(mode: &str, frontend: Frontend) -> (EgressOu
     let load = EgressLoad::start(frontend, setup.server.uds_path(), &target.addr.to_string());
     tokio::time::sleep(Duration::from_secs(1)).await;
     let first_fds = descriptors(setup.agent.proc.pid()).len();
+    let heap = |port| async move { crate::support::scrape::metric(port, HEAP).await.unwrap() };
+    let first_heap = heap(setup.agent.health_port).await;
 
     let mut handed = Vec::new();
     let mut replacing = Vec::new();
@@ -1427,8 +1440,9 @@ async fn replace_plain_egress_agent(mode: &str, frontend: Frontend) -> (EgressOu
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let last_fds = descriptors(setup.agent.proc.pid()).len();
+    let last_heap = heap(setup.agent.health_port).await;
     let outcome = load.finish(&handed).await;
-    outcome.assert_whole(&handed, (first_fds, last_fds));
+    outcome.assert_whole(&handed, (first_fds, last_fds), (first_heap, last_heap));
     let pauses = outcome.pauses(&replacing);
     (outcome, pauses)
 }
