@@ -20,7 +20,7 @@
 //! request and sends none: those connections drain with it, as before. A
 //! successor that asks for `sessions` gets the egress sessions the same way
 //! (`session`, then each of its connections as `endpoint`:
-//! [`crate::sessions`]) after the captured connections.
+//! [`crate::sessions`]) before the captured connections.
 //!
 //! The ownership lock (`PATH.lock`, flock) is what makes an agent the owner
 //! of the rules: only its holder may remove them, and an agent that starts
@@ -109,7 +109,7 @@ enum Packet {
     /// lengths of its `packets` unacknowledged packets (4 bytes each, little
     /// endian), then the bytes its state counts.
     Connection { state: ConnectionState, packets: usize },
-    /// Predecessor, after the connections: an egress session, followed by
+    /// Predecessor, after `taken`: an egress session, followed by
     /// its `endpoints` connections.
     Session { state: SessionState, endpoints: usize },
     /// Predecessor: one connection of the session before (its socket as the
@@ -470,7 +470,7 @@ pub trait Handing: Send + Sync {
     }
     /// Said once, after the connections went (or failed to: `sent` of them).
     fn connections_sent(&self, _sent: usize, _of: usize) {}
-    /// After the connections, for a successor that asked: the egress
+    /// After [`Handing::hand_over`] and before the connections, for a successor that asked: the egress
     /// sessions to give it, each stopped for it.
     fn sessions(&self) -> Vec<HandedSession> {
         Vec::new()
@@ -542,17 +542,21 @@ fn hand_over_on(channel: &Socket, role: &dyn Handing) -> Result<(), HandoverErro
         return Err(error);
     }
     role.hand_over();
-    if connections {
-        let handed = role.connections();
-        let of = handed.len();
-        let sent = send_connections(channel, handed);
-        role.connections_sent(sent, of);
-    }
+    // The sessions first: each serves on a while after its DRAIN (for the
+    // dials the server sent before it) before it stops, and the captured
+    // connections, which stop at once, must not wait for that: the successor
+    // resumes everything only once `released` comes.
     if sessions {
         let handed = role.sessions();
         let of = handed.len();
         let sent = send_sessions(channel, handed);
         role.sessions_sent(sent, of);
+    }
+    if connections {
+        let handed = role.connections();
+        let of = handed.len();
+        let sent = send_connections(channel, handed);
+        role.connections_sent(sent, of);
     }
     // Said once everything stopped and the lock is free; if the successor
     // is gone by now, it has the sockets and the lock is free all the same.
@@ -893,9 +897,9 @@ mod tests {
             [
                 "pause",
                 "hand_over",
+                "sessions 1 of 1",
                 "connections",
-                "sent 1 of 1",
-                "sessions 1 of 1"
+                "sent 1 of 1"
             ]
         );
         // The egress session came whole: its state, each endpoint's state
