@@ -822,17 +822,7 @@ async fn replace_rolling_with_established_connections() -> Established {
             .iter()
             .any(|(began, ended)| at >= *began && at <= *ended)
     };
-    let mut pauses = Vec::new();
-    for (began, ended) in &replacing {
-        for lines in &round_trips {
-            let longest = lines
-                .iter()
-                .filter(|(at, _)| at >= began && at <= ended)
-                .map(|(_, took)| *took)
-                .max();
-            pauses.extend(longest);
-        }
-    }
+    let pauses = pauses_during(&replacing, &round_trips);
     let mut outside: Vec<Duration> = round_trips
         .iter()
         .flatten()
@@ -1300,19 +1290,29 @@ impl EgressOutcome {
     /// long-lived connection, the longest round trip of a line sent while
     /// it ran: the pause the hand-over cost the connection (CONNECT mode).
     fn pauses(&self, replacing: &[(Instant, Instant)]) -> Vec<Duration> {
-        let mut pauses = Vec::new();
-        for (began, ended) in replacing {
-            for lines in &self.round_trips {
-                let longest = lines
-                    .iter()
-                    .filter(|(at, _)| at >= began && at <= ended)
-                    .map(|(_, took)| *took)
-                    .max();
-                pauses.extend(longest);
-            }
-        }
-        pauses
+        pauses_during(replacing, &self.round_trips)
     }
+}
+
+/// For each replacement (when it began and ended) and connection (when each
+/// line was sent, and its round trip), the longest round trip of a line sent
+/// while the replacement ran: the pause the hand-over cost the connection.
+fn pauses_during(
+    replacing: &[(Instant, Instant)],
+    round_trips: &[Vec<(Instant, Duration)>],
+) -> Vec<Duration> {
+    let mut pauses = Vec::new();
+    for (began, ended) in replacing {
+        for lines in round_trips {
+            let longest = lines
+                .iter()
+                .filter(|(at, _)| at >= began && at <= ended)
+                .map(|(_, took)| *took)
+                .max();
+            pauses.extend(longest);
+        }
+    }
+    pauses
 }
 
 /// The old agent's hand-over line for its egress sessions, once it exited
