@@ -138,11 +138,19 @@ impl Tunnel {
     /// `Proxy` stream that asks for nothing and waits, up to `timeout`, for
     /// the server's response headers. It costs the server a stream that ends
     /// at once, and no agent anything. Reconnects the channel if it had dropped.
-    pub async fn probe(&self, timeout: Duration) -> Result<(), DialError> {
+    ///
+    /// The answer is the id the server named itself with (`serverid`), if it
+    /// did: our node frontend does, so that a node agent knows which server
+    /// of several behind one address a connection reached.
+    pub async fn probe(&self, timeout: Duration) -> Result<Option<String>, DialError> {
         let mut client = self.client.clone();
         let call = client.proxy(tokio_stream::empty::<Packet>());
         match tokio::time::timeout(timeout, call).await {
-            Ok(Ok(_answered)) => Ok(()),
+            Ok(Ok(answered)) => Ok(answered
+                .metadata()
+                .get(konnectivity_proto::metadata::SERVER_ID)
+                .and_then(|value| value.to_str().ok())
+                .map(str::to_owned)),
             Ok(Err(status)) => Err(DialError::TunnelClosed(status.to_string())),
             Err(_) => Err(DialError::Timeout(timeout)),
         }

@@ -80,6 +80,7 @@ pub async fn run(
         metrics: metrics.clone(),
         resume_timeout: settings.resume_timeout,
         handoff: crate::capture::handoff::HandOff::new(),
+        servers: crate::tunnel::ServerTunnels::new(settings.clone()),
     });
     let mut background = tokio::task::JoinSet::new();
     // The tunnel first: an agent taking over must carry what it takes, and

@@ -41,3 +41,26 @@ pub struct CniSettings {
     /// `--exclude-namespaces`.
     pub exclude_namespaces: Vec<String>,
 }
+
+#[cfg(test)]
+impl NodeSettings {
+    /// Settings that reach no server, for unit tests of what only holds them.
+    pub(crate) fn for_tests() -> NodeSettings {
+        let tls = konnectivity_plumbing::tls::client_config_from(rustls::RootCertStore::empty(), None, &[])
+            .expect("a configuration without a certificate");
+        NodeSettings {
+            captures: CaptureMap::default(),
+            capture_port: 0,
+            mark: 0,
+            server_host: "127.0.0.1".to_owned(),
+            node_frontend_port: 1,
+            tls: Arc::new(tls),
+            sync_interval: Duration::from_secs(1),
+            sync_interval_cap: Duration::from_secs(1),
+            cni: None,
+            handover_socket: None,
+            resume_timeout: Duration::ZERO,
+            egress: None,
+        }
+    }
+}

@@ -1,9 +1,12 @@
 //! The node tunnel: one connection to the server's node frontend, kept
-//! and probed for as long as the agent runs.
+//! and probed for as long as the agent runs; and, behind one address with
+//! several servers, connections of their own to the server a captured
+//! connection's stream lives at ([`ServerTunnels`]).
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use konnectivity_client::Tunnel;
 use konnectivity_plumbing::backoff::Backoff;
@@ -52,7 +55,7 @@ pub(crate) async fn keep_tunnel(
             None => Err("not connected".to_owned()),
         };
         let answer = match answer {
-            Ok(()) => Ok(()),
+            Ok(server_id) => Ok(server_id),
             Err(problem) => {
                 // Not ready from this moment; reconnecting may take a while.
                 if was_up {
@@ -60,10 +63,10 @@ pub(crate) async fn keep_tunnel(
                 }
                 readiness.tunnel_failed(problem.clone(), &metrics);
                 match connect_tunnel(&settings).await {
-                    Ok(fresh) => {
+                    Ok((fresh, server_id)) => {
                         let _ = tunnel.send(Some(fresh.clone()));
                         current = Some(fresh);
-                        Ok(())
+                        Ok(server_id)
                     }
                     // The probe's failure says what went wrong first.
                     Err(error) if current.is_some() => Err(format!("{problem} (reconnecting: {error})")),
@@ -72,9 +75,10 @@ pub(crate) async fn keep_tunnel(
             }
         };
         match answer {
-            Ok(()) => {
+            Ok(server_id) => {
                 if !was_up {
-                    tracing::info!(server = %settings.server_host, port = settings.node_frontend_port, "node tunnel connected");
+                    let server_id = server_id.as_deref().unwrap_or("(not named)");
+                    tracing::info!(server = %settings.server_host, port = settings.node_frontend_port, server_id, "node tunnel connected");
                 }
                 readiness.tunnel_answered(&metrics);
                 backoff.reset();
@@ -99,8 +103,9 @@ const NODE_TLS_FLAGS: konnectivity_plumbing::tls::ClientFlags = konnectivity_plu
     host: "proxy-server-host",
 };
 
-/// A new connection to the node frontend that has answered a probe.
-async fn connect_tunnel(settings: &NodeSettings) -> Result<Tunnel, String> {
+/// A new connection to the node frontend that has answered a probe, and
+/// the id of the server it reached (if that server names itself).
+async fn connect_tunnel(settings: &NodeSettings) -> Result<(Tunnel, Option<String>), String> {
     let connect = Tunnel::connect_tls_marked(
         &settings.server_host,
         settings.node_frontend_port,
@@ -120,9 +125,195 @@ async fn connect_tunnel(settings: &NodeSettings) -> Result<Tunnel, String> {
         }
         Err(_) => return Err(format!("no connection within {TUNNEL_PROBE_TIMEOUT:?}")),
     };
-    connected
+    let server_id = connected
         .probe(TUNNEL_PROBE_TIMEOUT)
         .await
         .map_err(|e| e.to_string())?;
-    Ok(connected)
+    Ok((connected, server_id))
+}
+
+/// How many connections a search for one server makes before it gives up:
+/// behind a balancer that spreads connections at random over four servers,
+/// twenty miss the one wanted 0.3% of the time (round robin never).
+const SEARCH_ATTEMPTS: usize = 20;
+/// How long a failed search answers for itself: every captured connection
+/// of a node is lost at once, and one search, not one each, is enough to
+/// learn that a server is gone.
+const SEARCH_FAILED_HOLD: Duration = Duration::from_secs(2);
+
+/// Connections to particular servers behind the node frontend's address.
+///
+/// A captured connection's stream lives at the server that issued its
+/// token (`<session><secret>@<server id>`), and resumes only there. With
+/// several servers behind one address (a load balancer), the node tunnel
+/// may reach another one: after a hand-over (the predecessor's tunnel
+/// reached one server, this agent's another), or after the tunnel was
+/// replaced. Such a connection's stream resumes on a connection of its own
+/// to its server: dialed until one reaches that server (each server names
+/// itself in its answers), shared by the connections of that server, and
+/// closed once the last of them ends.
+pub(crate) struct ServerTunnels {
+    settings: NodeSettings,
+    /// By server id.
+    slots: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Slot>>>>,
+    /// How many searches ran (for the tests: one per lost server, not one
+    /// per connection).
+    searches: std::sync::atomic::AtomicU64,
+}
+
+/// One server's connection, and its last failed search.
+#[derive(Default)]
+struct Slot {
+    /// Held by the captured connections that use it.
+    tunnel: Weak<Tunnel>,
+    failed: Option<(Instant, String)>,
+}
+
+impl ServerTunnels {
+    pub(crate) fn new(settings: NodeSettings) -> Arc<ServerTunnels> {
+        Arc::new(ServerTunnels {
+            settings,
+            slots: Mutex::new(HashMap::new()),
+            searches: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    fn slot(&self, server: &str) -> Arc<tokio::sync::Mutex<Slot>> {
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        // Servers come and go (a restarted server has a new id): forget
+        // those whose connection is gone and whose failure is old, unless
+        // someone holds their slot.
+        slots.retain(|_, slot| {
+            Arc::strong_count(slot) > 1
+                || slot.try_lock().map_or(true, |slot| {
+                    slot.tunnel.strong_count() > 0
+                        || slot
+                            .failed
+                            .as_ref()
+                            .is_some_and(|(at, _)| at.elapsed() < SEARCH_FAILED_HOLD)
+                })
+        });
+        slots.entry(server.to_owned()).or_default().clone()
+    }
+
+    /// The connection to `server` that connections already use, if any.
+    pub(crate) fn existing(&self, server: &str) -> Option<Arc<Tunnel>> {
+        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        slots.get(server)?.try_lock().ok()?.tunnel.upgrade()
+    }
+
+    /// A connection to `server`: the one connections already use, unless it
+    /// is `failed` (it answered for another server, or not at all), or a
+    /// new one, dialed until one reaches `server`, at most
+    /// [`SEARCH_ATTEMPTS`] times and not past `deadline`. Connections that
+    /// ask at once share one search.
+    pub(crate) async fn to(
+        &self,
+        server: &str,
+        failed: Option<&Arc<Tunnel>>,
+        deadline: Instant,
+    ) -> Result<Arc<Tunnel>, String> {
+        let slot = self.slot(server);
+        let mut slot = slot.lock().await;
+        if let Some(tunnel) = slot.tunnel.upgrade()
+            && !failed.is_some_and(|failed| Arc::ptr_eq(failed, &tunnel))
+        {
+            return Ok(tunnel);
+        }
+        if let Some((at, why)) = &slot.failed
+            && at.elapsed() < SEARCH_FAILED_HOLD
+        {
+            return Err(why.clone());
+        }
+        match tokio::time::timeout_at(deadline.into(), self.search(server)).await {
+            Ok(Ok(tunnel)) => {
+                let tunnel = Arc::new(tunnel);
+                slot.tunnel = Arc::downgrade(&tunnel);
+                slot.failed = None;
+                Ok(tunnel)
+            }
+            Ok(Err(why)) => {
+                slot.failed = Some((Instant::now(), why.clone()));
+                Err(why)
+            }
+            Err(_) => Err(format!("no connection reached server {server} in time")),
+        }
+    }
+
+    async fn search(&self, server: &str) -> Result<Tunnel, String> {
+        self.searches.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let mut reached: Vec<String> = Vec::new();
+        let mut last_error = None;
+        for attempt in 1..=SEARCH_ATTEMPTS {
+            match connect_tunnel(&self.settings).await {
+                Ok((tunnel, Some(id))) if id == server => {
+                    tracing::info!(
+                        server_id = server,
+                        attempts = attempt,
+                        took = ?started.elapsed(),
+                        "a connection of its own to the server that holds connections' streams (the node tunnel reached another)"
+                    );
+                    return Ok(tunnel);
+                }
+                // Dropped: the connection closes.
+                Ok((_, Some(other))) => {
+                    if !reached.contains(&other) {
+                        reached.push(other);
+                    }
+                }
+                Ok((_, None)) => {
+                    return Err(format!(
+                        "the node frontend does not name its server (an older proxy-server), so server {server} cannot be looked for"
+                    ));
+                }
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(format!(
+            "no connection to {}:{} reached server {server} in {SEARCH_ATTEMPTS} attempts (reached: {}{})",
+            self.settings.server_host,
+            self.settings.node_frontend_port,
+            if reached.is_empty() {
+                "none".to_owned()
+            } else {
+                reached.join(", ")
+            },
+            last_error
+                .map(|error| format!("; last failure: {error}"))
+                .unwrap_or_default()
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every captured connection of a node is lost at once; those whose
+    /// server is gone must not each dial twenty times: the first search's
+    /// failure answers for the rest.
+    #[tokio::test]
+    async fn connections_that_ask_at_once_share_one_search() {
+        // Nothing listens there: every attempt is refused.
+        let servers = ServerTunnels::new(NodeSettings::for_tests());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut asking = tokio::task::JoinSet::new();
+        for _ in 0..100 {
+            let servers = servers.clone();
+            asking.spawn(async move { servers.to("server-a", None, deadline).await.map(|_| ()) });
+        }
+        while let Some(answer) = asking.join_next().await {
+            let error = answer.unwrap().unwrap_err();
+            assert!(
+                error.contains("reached server server-a in 20 attempts"),
+                "{error}"
+            );
+        }
+        assert_eq!(servers.searches.load(Ordering::Relaxed), 1);
+        // Another server is looked for on its own.
+        let _ = servers.to("server-b", None, deadline).await;
+        assert_eq!(servers.searches.load(Ordering::Relaxed), 2);
+        assert!(servers.existing("server-a").is_none());
+    }
 }

@@ -31,7 +31,10 @@ pub mod metadata {
     pub const AGENT_ID: &str = "agentid";
     /// Agent → server: at most one value, a URL query string of identifiers.
     pub const AGENT_IDENTIFIERS: &str = "agentidentifiers";
-    /// Server → agent response header: the server's identity.
+    /// Server → agent response header: the server's identity. Our node
+    /// frontend sends it too, on every answer and on the refusal of a token
+    /// that names another server, so that a node agent behind one address
+    /// with several servers can look for the one its stream lives at.
     pub const SERVER_ID: &str = "serverid";
     /// Server → agent response header: how many servers the agent should hold.
     pub const SERVER_COUNT: &str = "servercount";

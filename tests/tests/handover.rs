@@ -23,7 +23,7 @@ use crate::support::procs::Proc;
 use crate::support::targets;
 use crate::support::wait_until;
 
-const REPLACEMENTS: usize = 5;
+pub(crate) const REPLACEMENTS: usize = 5;
 /// Connections a second from each of the two namespaces.
 const RATE: u32 = 100;
 
@@ -61,7 +61,7 @@ fn descriptors(pid: u32) -> Vec<String> {
 /// The node agents of the test whose directory is `dir` running: those
 /// given its hand-over socket (other tests' node agents run on this machine
 /// too).
-fn node_agents(dir: &Path) -> Vec<u32> {
+pub(crate) fn node_agents(dir: &Path) -> Vec<u32> {
     let flag = format!("--handover-socket={}", dir.join("handover.sock").display());
     std::fs::read_dir("/proc")
         .unwrap()
@@ -79,7 +79,7 @@ fn node_agents(dir: &Path) -> Vec<u32> {
 }
 
 /// Waits until `agent`'s log says it took the node role over.
-async fn took_over(agent: &Proc) {
+pub(crate) async fn took_over(agent: &Proc) {
     wait_until(
         Duration::from_secs(40),
         "the new agent to take the node role over",
@@ -149,7 +149,7 @@ async fn replace_rolling(node: &mut Node, pods: &mut Vec<Pod>, download: bool) -
     let long_lived: Vec<_> = (0..5)
         .map(|_| {
             let stream = connect_tcp_in(pod_netns.clone(), STREAMS_VIP).unwrap();
-            tokio::spawn(numbered_lines(stream, stop.clone()))
+            tokio::spawn(targets::numbered_lines(stream, stop.clone()))
         })
         .collect();
     // Slowed so that it spans every replacement, checksummed as it arrives.
@@ -568,46 +568,6 @@ async fn a_new_agent_that_cannot_reach_the_server_never_takes_over() {
     assert!(version.status.success(), "{}", text(&version));
 }
 
-/// A long-lived connection through the node agent: numbered lines through
-/// the echo target, one every 10 ms, each read back before the next (as
-/// `kubectl logs -f` or a watch would see them: every line once, in order).
-/// Runs until `stop`; when each line was sent and how long it took to come
-/// back, or what broke.
-async fn numbered_lines(
-    mut stream: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-    stop: Arc<AtomicBool>,
-) -> Result<Vec<(Instant, Duration)>, String> {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-    stream
-        .write_all(&targets::header(b'E', 0, 0))
-        .await
-        .map_err(|e| e.to_string())?;
-    let (read, mut write) = tokio::io::split(stream);
-    let mut lines = BufReader::new(read).lines();
-    let mut round_trips = Vec::new();
-    while !stop.load(Ordering::Relaxed) {
-        let sent = round_trips.len();
-        let started = Instant::now();
-        write
-            .write_all(format!("line {sent}\n").as_bytes())
-            .await
-            .map_err(|e| format!("writing line {sent}: {e}"))?;
-        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
-            .await
-            .map_err(|_| format!("line {sent} did not come back within 10 s"))?
-            .map_err(|e| format!("reading line {sent}: {e}"))?
-            .ok_or_else(|| format!("the connection ended at line {sent}"))?;
-        if line != format!("line {sent}") {
-            return Err(format!(
-                "line {sent} came back as {line:?}: a line missing, doubled or out of order"
-            ));
-        }
-        round_trips.push((started, started.elapsed()));
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    Ok(round_trips)
-}
-
 /// Downloads `len` pattern bytes, read at most `per_second` bytes a second
 /// so that the transfer spans the replacements; their SHA-256.
 async fn slow_download(
@@ -664,6 +624,45 @@ struct Established {
     handed: Vec<String>,
 }
 
+/// Rolling replacement `n` of the node agent, as a DaemonSet rollout with
+/// maxSurge does it: a successor started beside `agent` with `args` takes
+/// the role over and resumes every established connection it is given;
+/// once it is ready, `agent` gets SIGTERM and exits with nothing left to
+/// drain, and one agent runs. The successor, and its log.
+pub(crate) async fn roll_with_connections(
+    topology: &Topology,
+    agent: &mut Proc,
+    args: &[String],
+    n: usize,
+) -> (Proc, String) {
+    let successor = topology.start_node_agent(args);
+    took_over(&successor).await;
+    let log = successor.log_text();
+    assert!(
+        log.contains("established connections taken over from the previous agent, every one resumed"),
+        "replacement {n}: the new agent did not resume every connection it took over:\n{}",
+        log.lines()
+            .filter(|line| line.contains("taken over") || line.contains("resum") || line.contains("server"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    topology.wait_node_ready().await;
+    agent.signal("TERM");
+    let status = agent.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.is_some(), "replacement {n}: the old agent did not exit");
+    let old = agent.log_text();
+    assert!(
+        old.contains("open connections done; exiting"),
+        "replacement {n}: the old agent had connections left to drain:\n{old}"
+    );
+    assert_eq!(
+        node_agents(topology.dir.path()).len(),
+        1,
+        "replacement {n}: one agent runs"
+    );
+    (successor, log)
+}
+
 /// Five rolling replacements of the node agent (the successor starts beside
 /// it, takes the role over, and the old one gets SIGTERM once the new one is
 /// ready), with `--drain-timeout=5s` so that no connection can outlive a
@@ -689,7 +688,6 @@ async fn replace_rolling_with_established_connections() -> Established {
     let args = ["--drain-timeout=5s".to_owned(), STREAMS_CAPTURE.to_owned()];
     let mut agent = topology.start_node_agent(&args);
     topology.wait_node_ready().await;
-    let dir = topology.dir.path().to_owned();
 
     let load = Load::start(Target {
         netns: Path::new("/var/run/netns").join(&topology.node.name),
@@ -704,7 +702,7 @@ async fn replace_rolling_with_established_connections() -> Established {
     let mut long_lived = Vec::new();
     for _ in 0..LONG_LIVED {
         let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
-        long_lived.push(tokio::spawn(numbered_lines(stream, stop.clone())));
+        long_lived.push(tokio::spawn(targets::numbered_lines(stream, stop.clone())));
     }
     let download = tokio::spawn(slow_download(
         topology.node.connect_tcp(STREAMS_VIP).unwrap(),
@@ -720,33 +718,14 @@ async fn replace_rolling_with_established_connections() -> Established {
     let mut replacing = Vec::new();
     for n in 0..REPLACEMENTS {
         let began = Instant::now();
-        let successor = topology.start_node_agent(&args);
-        took_over(&successor).await;
-        let log = successor.log_text();
-        assert!(
-            log.contains("established connections taken over from the previous agent, every one resumed"),
-            "replacement {n}: the new agent did not resume every connection it took over:\n{}",
-            log.lines()
-                .filter(|line| line.contains("taken over") || line.contains("resum"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-        topology.wait_node_ready().await;
-        agent.signal("TERM");
-        let status = agent.wait_exit(Duration::from_secs(20)).await;
-        assert!(status.is_some(), "replacement {n}: the old agent did not exit");
+        let (successor, _) = roll_with_connections(&topology, &mut agent, &args, n).await;
         let log = agent.log_text();
-        assert!(
-            log.contains("open connections done; exiting"),
-            "replacement {n}: the old agent had connections left to drain:\n{log}"
-        );
         let line = log
             .lines()
             .find(|line| line.contains("established connections handed to the newer agent"))
             .unwrap_or_else(|| panic!("replacement {n}: no hand-over line in\n{log}"))
             .to_owned();
         handed.push(line);
-        assert_eq!(node_agents(&dir).len(), 1, "replacement {n}: one agent runs");
         replacing.push((began, Instant::now()));
         agent = successor;
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -755,16 +734,7 @@ async fn replace_rolling_with_established_connections() -> Established {
     let last_fds = descriptors(agent.pid()).len();
     let last_heap = topology.node.metric(NODE_AGENT_HEALTH, HEAP).unwrap();
     stop.store(true, Ordering::Relaxed);
-    let mut round_trips = Vec::new();
-    for (i, connection) in long_lived.into_iter().enumerate() {
-        match connection.await.unwrap() {
-            Ok(lines) => round_trips.push(lines),
-            Err(broke) => panic!(
-                "long-lived connection {i}: {broke}\nhand-overs:\n{}",
-                handed.join("\n")
-            ),
-        }
-    }
+    let round_trips = targets::lines_of(long_lived, &format!("hand-overs:\n{}", handed.join("\n"))).await;
     let digest = download
         .await
         .unwrap()
@@ -822,7 +792,7 @@ async fn replace_rolling_with_established_connections() -> Established {
             .iter()
             .any(|(began, ended)| at >= *began && at <= *ended)
     };
-    let pauses = pauses_during(&replacing, &round_trips);
+    let pauses = targets::pauses_during(&replacing, &round_trips);
     let mut outside: Vec<Duration> = round_trips
         .iter()
         .flatten()
@@ -887,7 +857,7 @@ async fn a_killed_node_agents_established_connections_end_at_once_and_only_they(
     let mut long_lived = Vec::new();
     for _ in 0..20 {
         let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
-        long_lived.push(tokio::spawn(numbered_lines(stream, stop.clone())));
+        long_lived.push(tokio::spawn(targets::numbered_lines(stream, stop.clone())));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let dropped_before = topology
@@ -915,7 +885,7 @@ async fn a_killed_node_agents_established_connections_end_at_once_and_only_they(
     // The new agent's connection works, and its stream tells the server the
     // node's agent process changed.
     let stop = Arc::new(AtomicBool::new(false));
-    let working = tokio::spawn(numbered_lines(
+    let working = tokio::spawn(targets::numbered_lines(
         topology.node.connect_tcp(STREAMS_VIP).unwrap(),
         stop.clone(),
     ));
@@ -965,7 +935,7 @@ async fn a_connection_whose_client_does_not_read_stays_with_the_old_agent() {
     let mut stalled = topology.node.connect_tcp(STREAMS_VIP).unwrap();
     stalled.write_all(&targets::header(b'G', LEN, 5)).await.unwrap();
     let stop = Arc::new(AtomicBool::new(false));
-    let reading = tokio::spawn(numbered_lines(
+    let reading = tokio::spawn(targets::numbered_lines(
         topology.node.connect_tcp(STREAMS_VIP).unwrap(),
         stop.clone(),
     ));
@@ -1110,7 +1080,7 @@ async fn egress_lines(
         }
         Frontend::Connect => {
             let stream = egress_connection(&Frontend::Connect, &uds, &address).await?;
-            let round_trips = numbered_lines(stream, stop).await?;
+            let round_trips = targets::numbered_lines(stream, stop).await?;
             let longest = round_trips.iter().map(|(_, took)| took.as_millis() as u64).max();
             Ok(LinesSeen {
                 echoed: round_trips.len() as u64,
@@ -1290,29 +1260,8 @@ impl EgressOutcome {
     /// long-lived connection, the longest round trip of a line sent while
     /// it ran: the pause the hand-over cost the connection (CONNECT mode).
     fn pauses(&self, replacing: &[(Instant, Instant)]) -> Vec<Duration> {
-        pauses_during(replacing, &self.round_trips)
+        targets::pauses_during(replacing, &self.round_trips)
     }
-}
-
-/// For each replacement (when it began and ended) and connection (when each
-/// line was sent, and its round trip), the longest round trip of a line sent
-/// while the replacement ran: the pause the hand-over cost the connection.
-fn pauses_during(
-    replacing: &[(Instant, Instant)],
-    round_trips: &[Vec<(Instant, Duration)>],
-) -> Vec<Duration> {
-    let mut pauses = Vec::new();
-    for (began, ended) in replacing {
-        for lines in round_trips {
-            let longest = lines
-                .iter()
-                .filter(|(at, _)| at >= began && at <= ended)
-                .map(|(_, took)| *took)
-                .max();
-            pauses.extend(longest);
-        }
-    }
-    pauses
 }
 
 /// The old agent's hand-over line for its egress sessions, once it exited

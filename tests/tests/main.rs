@@ -14,6 +14,7 @@ mod faults;
 mod flags;
 mod grpc_clients;
 mod ha;
+mod ha_node;
 mod handover;
 mod image;
 mod keepalive;

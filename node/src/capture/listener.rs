@@ -16,6 +16,7 @@ use crate::capture::handoff::{HandOff, HandedConnection};
 use crate::capture::map::{CaptureMap, OrigDst};
 use crate::capture::resumable::{self, Ended, ResumeContext};
 use crate::metrics::{CaptureOutcome, NodeMetrics};
+use crate::tunnel::ServerTunnels;
 
 /// What every captured connection needs.
 pub(crate) struct CaptureContext {
@@ -28,6 +29,9 @@ pub(crate) struct CaptureContext {
     pub resume_timeout: Duration,
     /// Where established connections go when a successor takes them.
     pub handoff: Arc<HandOff>,
+    /// Connections to the server a stream lives at, when the node tunnel
+    /// reached another.
+    pub servers: Arc<ServerTunnels>,
 }
 
 impl CaptureContext {
@@ -37,6 +41,7 @@ impl CaptureContext {
             timeout: self.resume_timeout,
             metrics: self.metrics.resumes.clone(),
             handoff: self.handoff.clone(),
+            servers: self.servers.clone(),
         }
     }
 }
@@ -188,6 +193,7 @@ mod tests {
             metrics: Arc::new(NodeMetrics::register(&mut registry, Default::default())),
             resume_timeout: Duration::from_secs(60),
             handoff: HandOff::new(),
+            servers: ServerTunnels::new(crate::settings::NodeSettings::for_tests()),
         });
         let task = handle(TcpStream::from_std(accepted).unwrap(), context);
         let size = std::mem::size_of_val(&task);

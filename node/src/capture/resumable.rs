@@ -29,11 +29,14 @@ use konnectivity_mux::outbound::{Outbound, outbound};
 use konnectivity_mux::replay::{Arrival, arrival};
 use konnectivity_mux::{Extensions, Waited};
 use konnectivity_plumbing::backoff::Backoff;
-use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN, instance_id};
+use konnectivity_proto::metadata::{
+    AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN, SERVER_ID, instance_id,
+};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
 
 use crate::capture::handoff::{ConnectionState, HandOff, HandedConnection};
+use crate::tunnel::ServerTunnels;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{ReadHalf, WriteHalf};
@@ -63,6 +66,9 @@ pub(crate) struct ResumeContext {
     pub metrics: Resumes,
     /// Where a connection goes when a successor takes them over.
     pub handoff: Arc<HandOff>,
+    /// Connections to the server a stream lives at, when the node tunnel
+    /// reached another.
+    pub servers: Arc<ServerTunnels>,
 }
 
 /// How a relayed connection ended, when nothing failed.
@@ -261,6 +267,7 @@ fn run(
         connect_id,
         queue: queue.clone(),
         inbound,
+        own_server: None,
         token,
         window: window.clone(),
         gate,
@@ -378,6 +385,10 @@ struct Down {
     queue: Outbound,
     /// `None` until a connection handed over is first resumed.
     inbound: Option<Streaming<Packet>>,
+    /// The connection to the server this stream lives at, when the node
+    /// tunnel reached another (see [`ServerTunnels`]); `None`: the stream
+    /// is on the node tunnel.
+    own_server: Option<Arc<Tunnel>>,
     token: Option<AsciiMetadataValue>,
     window: SendWindow,
     gate: ReceiveGate,
@@ -418,8 +429,9 @@ impl Down {
                     }
                 },
                 // The tunnel was replaced (its probes went unanswered): this
-                // stream's connection is as good as gone.
-                Ok(()) = self.context.tunnels.changed(), if self.token.is_some() => {
+                // stream's connection is as good as gone, unless the stream
+                // is on a connection of its own.
+                Ok(()) = self.context.tunnels.changed(), if self.token.is_some() && self.own_server.is_none() => {
                     Err(tonic::Status::unavailable("the node tunnel was replaced"))
                 }
                 // A successor takes the connections: here, between two
@@ -568,16 +580,18 @@ impl Down {
     fn hold_stream(self) {
         self.queue.detach();
         if let Some(mut inbound) = self.inbound {
-            let queue = self.queue;
+            // The connection the stream is on, when it is one of its own.
+            let (queue, own_server) = (self.queue, self.own_server);
             tokio::spawn(async move {
-                let _queue = queue;
+                let _held = (queue, own_server);
                 while let Ok(Some(_)) = inbound.message().await {}
             });
         }
     }
 
-    /// The stream is lost: resume on the current tunnel within the resume
-    /// timeout, or fail with `why`.
+    /// The stream is lost: resume on the current tunnel (or on a connection
+    /// to the token's server, when the tunnel reached another) within the
+    /// resume timeout, or fail with `why`.
     async fn lost(&mut self, why: String) -> Result<(), Failure> {
         let Some(token) = self.token.clone() else {
             return Err(why);
@@ -587,6 +601,11 @@ impl Down {
         let deadline = lost_at + self.context.timeout;
         let mut backoff = Backoff::new(RETRY_AFTER, RETRY_CAP);
         tracing::debug!(connect_id = self.connect_id.get(), %why, "captured connection's stream lost; resuming it");
+        let server = token_server(&token);
+        // Connections of the same server that went before found it already.
+        if self.own_server.is_none() {
+            self.own_server = server.and_then(|server| self.context.servers.existing(server));
+        }
         loop {
             if Instant::now() >= deadline {
                 self.context.metrics.timed_out.inc();
@@ -595,7 +614,10 @@ impl Down {
                     self.context.timeout
                 ));
             }
-            let tunnel = self.context.tunnels.borrow_and_update().clone();
+            let tunnel = match &self.own_server {
+                Some(own) => Some(Tunnel::clone(own)),
+                None => self.context.tunnels.borrow_and_update().clone(),
+            };
             let Some(tunnel) = tunnel else {
                 wait_for_tunnel(&mut self.context.tunnels, None, deadline).await;
                 continue;
@@ -614,6 +636,30 @@ impl Down {
                 Ok(Err(Attempt::Refused(reason))) => {
                     self.context.metrics.dropped.inc();
                     return Err(format!("{why}; the resume was refused: {reason}"));
+                }
+                // Behind one address, the connection reached another server
+                // than the stream's: resume on one that reaches it.
+                Ok(Err(Attempt::OtherServer(reached))) => {
+                    let Some(server) = server else {
+                        self.context.metrics.dropped.inc();
+                        return Err(format!(
+                            "{why}; server {reached} refused a token that names no server"
+                        ));
+                    };
+                    let found = self
+                        .context
+                        .servers
+                        .to(server, self.own_server.as_ref(), deadline)
+                        .await;
+                    match found {
+                        Ok(own) => self.own_server = Some(own),
+                        Err(error) => {
+                            self.context.metrics.dropped.inc();
+                            return Err(format!(
+                                "{why}; the stream lives at server {server}, the node tunnel reached {reached}, and {error}"
+                            ));
+                        }
+                    }
                 }
                 Ok(Err(Attempt::Failed(error))) => {
                     tracing::debug!(connect_id = self.connect_id.get(), %error, "resume attempt failed");
@@ -639,6 +685,15 @@ impl Down {
         let (inbound, answer) = match tunnel.open(headers, writer).await {
             Ok(opened) => opened,
             Err(status) => {
+                // Refused by a server that names itself, not the token's.
+                let reached = status
+                    .metadata()
+                    .get(SERVER_ID)
+                    .and_then(|value| value.to_str().ok())
+                    .filter(|reached| Some(*reached) != token_server(token));
+                if let Some(reached) = reached {
+                    return Err(Attempt::OtherServer(reached.to_owned()));
+                }
                 return Err(match status.code() {
                     tonic::Code::NotFound
                     | tonic::Code::PermissionDenied
@@ -712,6 +767,13 @@ enum Attempt {
     Refused(String),
     /// No answer (no connection yet): try again.
     Failed(String),
+    /// The connection reached this server, which is not the token's.
+    OtherServer(String),
+}
+
+/// The server a token names (`<session><secret>@<server id>`).
+fn token_server(token: &AsciiMetadataValue) -> Option<&str> {
+    token.to_str().ok()?.rsplit_once('@').map(|(_, server)| server)
 }
 
 #[cfg(test)]

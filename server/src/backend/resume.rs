@@ -107,6 +107,11 @@ impl<A> Resumption<A> {
         })
     }
 
+    /// The server id its tokens name (`--server-id`).
+    pub fn server_id(&self) -> &str {
+        &self.server_id
+    }
+
     fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Resumable<A>>> {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }

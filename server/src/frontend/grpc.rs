@@ -14,7 +14,7 @@ use futures_util::{Stream, StreamExt};
 use konnectivity_mux::Waited;
 use konnectivity_mux::outbound::{Outbound, Queueing, outbound};
 use konnectivity_mux::replay::Arrival;
-use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+use konnectivity_proto::metadata::{AGENT_INSTANCE, RESUME, RESUME_RECEIVED, RESUME_TOKEN, SERVER_ID};
 use konnectivity_proto::wire::proxy_service_server::ProxyService;
 use konnectivity_proto::{ConnectId, DialId, DialTarget, Frame, Packet};
 use konnectivity_telemetry::metrics::GaugeGuard;
@@ -82,18 +82,33 @@ impl ProxyService for ProxyServer {
         &self,
         request: Request<Streaming<Packet>>,
     ) -> Result<Response<Self::ProxyStream>, Status> {
-        if let Some(resumption) = &self.resumption {
-            let metadata = request.metadata();
-            if metadata.get(RESUME_TOKEN).is_some() {
-                return resume_client(resumption, request).await;
-            }
-            if metadata.get(RESUME).is_some_and(|value| value == "1") {
-                return Ok(serve_resumable(self.stream_dialer(&request), resumption, request));
-            }
+        let Some(resumption) = &self.resumption else {
+            let packets = serve_client(self.stream_dialer(&request), request.into_inner());
+            return Ok(Response::new(Box::pin(packets)));
+        };
+        let metadata = request.metadata();
+        let mut response = if metadata.get(RESUME_TOKEN).is_some() {
+            resume_client(resumption, request).await?
+        } else if metadata.get(RESUME).is_some_and(|value| value == "1") {
+            serve_resumable(self.stream_dialer(&request), resumption, request)
+        } else {
+            let packets = serve_client(self.stream_dialer(&request), request.into_inner());
+            Response::new(Box::pin(packets) as ResponseBody)
+        };
+        // Every answer names this server (a probe's too): behind one address,
+        // a node agent whose connections' tokens name another server dials
+        // until a connection reaches that one (docs/resume.md).
+        if let Some(server_id) = server_id_value(resumption) {
+            response.metadata_mut().insert(SERVER_ID, server_id);
         }
-        let packets = serve_client(self.stream_dialer(&request), request.into_inner());
-        Ok(Response::new(Box::pin(packets)))
+        Ok(response)
     }
+}
+
+/// This server's id as a header value (`None`: an id no header can carry,
+/// which the server's flags refuse).
+fn server_id_value<A>(resumption: &Resumption<A>) -> Option<AsciiMetadataValue> {
+    AsciiMetadataValue::try_from(resumption.server_id()).ok()
 }
 
 /// Who a node tunnel's client proved to be: the node its certificate
@@ -217,7 +232,14 @@ pub async fn resume_client_stream(
         .inspect_err(|refused| {
             tracing::warn!(error = refused.message(), "node tunnel stream's resume refused")
         })?
-        .ok_or_else(|| Status::not_found("resume refused: the token names another proxy-server"))?;
+        .ok_or_else(|| {
+            // Named, so that the node agent can look for the token's server.
+            let mut refused = Status::not_found("resume refused: the token names another proxy-server");
+            if let Some(server_id) = server_id_value(resumption) {
+                refused.metadata_mut().insert(SERVER_ID, server_id);
+            }
+            refused
+        })?;
     let gone = || Status::not_found("resume refused: the stream's connection has ended");
     let (answer, answered) = oneshot::channel();
     let attachment = ClientAttachment {

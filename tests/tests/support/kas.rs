@@ -12,6 +12,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::balancer::RoundRobin;
 use super::certs::Pki;
 use super::image::Binaries;
 use super::netns::{Netns, link};
@@ -49,8 +50,12 @@ pub struct Topology {
     /// proxy-server, the control-plane agent and the API server stand-in.
     pub control_plane: Netns,
     _nginx: Proc,
-    _server: Proc,
+    /// One, or several behind [`Topology::balancers`].
+    _servers: Vec<Proc>,
     _cp_agent: Proc,
+    /// With several servers: at [`SERVER_IP`], the agent port's and the
+    /// node frontend's.
+    balancers: Vec<RoundRobin>,
     pub blob_sha256: String,
 }
 
@@ -121,6 +126,29 @@ pub async fn build(blob: bool) -> Topology {
 
 /// [`build`], with proxy-server and the agents from `binaries`.
 pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
+    build_with(blob, binaries, 1).await
+}
+
+/// The address of the `n`th of several servers (on the control plane's
+/// loopback, as each server of an HA control plane has its own).
+pub fn server_ip(n: usize) -> String {
+    format!("10.222.1.{}", 21 + n)
+}
+
+/// The health port of the `n`th of several servers.
+pub fn server_health(n: usize) -> u16 {
+    SERVER_HEALTH + 100 * n as u16
+}
+
+/// [`build`] with `servers` proxy-servers (ids `server-0`, …) behind one
+/// address, [`SERVER_IP`]: a round-robin balancer for the agent port and
+/// one for the node frontend, as an HA control plane puts a load balancer
+/// before its servers. The control-plane agent holds a stream to each.
+pub async fn build_behind_balancer(servers: usize) -> Topology {
+    build_with(false, Binaries::Build, servers).await
+}
+
+async fn build_with(blob: bool, binaries: Binaries, servers: usize) -> Topology {
     let dir = TempDir::new("konn-capture");
     let pki = Pki::new(dir.path());
     let node = Netns::new("node");
@@ -156,15 +184,12 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
         ],
         dir.path(),
     );
-    let server = control_plane.spawn_from(
-        &binaries,
-        "proxy-server",
-        &[
+    let server_args = |socket: &str| {
+        vec![
             "--mode=grpc".to_owned(),
-            format!("--uds-name={}", dir.path().join("kas-egress.sock").display()),
+            format!("--uds-name={}", dir.path().join(socket).display()),
             "--server-port=0".to_owned(),
             format!("--agent-port={AGENT_PORT}"),
-            format!("--health-port={SERVER_HEALTH}"),
             format!("--cluster-cert={}", pki.server.cert.display()),
             format!("--cluster-key={}", pki.server.key.display()),
             format!("--cluster-ca-cert={}", pki.ca.display()),
@@ -172,9 +197,41 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
             format!("--node-client-ca-cert={}", pki.node_ca.display()),
             format!("--node-allowed-destinations={KAS},{STREAMS}"),
             "--control-plane-agent-ids=cp-1".to_owned(),
-        ],
-        dir.path(),
-    );
+        ]
+    };
+    let mut balancers = Vec::new();
+    let server_procs = if servers == 1 {
+        let mut args = server_args("kas-egress.sock");
+        args.push(format!("--health-port={SERVER_HEALTH}"));
+        vec![control_plane.spawn_from(&binaries, "proxy-server", &args, dir.path())]
+    } else {
+        let mut procs = Vec::new();
+        for n in 0..servers {
+            let ip = server_ip(n);
+            control_plane.ip(&["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
+            let mut args = server_args(&format!("kas-egress-{n}.sock"));
+            args.extend([
+                format!("--server-id=server-{n}"),
+                format!("--server-count={servers}"),
+                format!("--agent-bind-address={ip}"),
+                format!("--node-frontend-bind-address={ip}"),
+                format!("--health-port={}", server_health(n)),
+                format!("--admin-port={}", server_health(n) + 50),
+            ]);
+            procs.push(control_plane.spawn_from(&binaries, "proxy-server", &args, dir.path()));
+        }
+        for port in [AGENT_PORT, NODE_FRONTEND_PORT] {
+            let backends = (0..servers)
+                .map(|n| format!("{}:{port}", server_ip(n)).parse().unwrap())
+                .collect();
+            balancers.push(RoundRobin::start_in(
+                &control_plane,
+                &format!("{SERVER_IP}:{port}"),
+                backends,
+            ));
+        }
+        procs
+    };
     let cp_agent = control_plane.spawn_from(
         &binaries,
         "proxy-agent",
@@ -194,6 +251,23 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
         || async { cp.http_get(CP_AGENT_HEALTH, "/readyz").0 == 200 },
     )
     .await;
+    if servers > 1 {
+        wait_until(
+            Duration::from_secs(30),
+            "the control-plane agent to hold a stream to every server",
+            || async {
+                (0..servers).all(|n| {
+                    cp.metric(
+                        server_health(n),
+                        "konnectivity_network_proxy_server_ready_backend_connections",
+                    )
+                    .unwrap_or(0.0)
+                        >= 1.0
+                })
+            },
+        )
+        .await;
+    }
     Topology {
         dir,
         pki,
@@ -201,13 +275,19 @@ pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
         node,
         control_plane,
         _nginx: nginx,
-        _server: server,
+        _servers: server_procs,
         _cp_agent: cp_agent,
+        balancers,
         blob_sha256,
     }
 }
 
 impl Topology {
+    /// Kills the `n`th of several servers (SIGKILL), as a crash does.
+    pub fn kill_server(&mut self, n: usize) {
+        self._servers[n].kill();
+    }
+
     /// The node agent with `extra` flags. Its hand-over socket is the
     /// test's own: on the machine's, agents of other tests would hand their
     /// roles to each other.

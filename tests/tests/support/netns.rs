@@ -2,7 +2,7 @@
 //! its test put there, and is deleted on drop (also when the test panics).
 //! Nothing is ever added to the machine's own namespace.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -141,6 +141,11 @@ impl Netns {
         ];
         full.extend(args.iter().cloned());
         Proc::spawn_named(program, "ip", &full, log_dir)
+    }
+
+    /// Where the namespace is pinned.
+    pub fn path(&self) -> PathBuf {
+        Path::new("/var/run/netns").join(&self.name)
     }
 
     /// A TCP listener inside the namespace, for a target this test process

@@ -319,3 +319,83 @@ pub async fn expect_reset<S: AsyncRead + AsyncWrite + Unpin>(
 pub async fn start_echo<S: AsyncWrite + Unpin>(stream: &mut S) -> std::io::Result<()> {
     stream.write_all(&header(b'E', 0, 0)).await
 }
+
+/// A long-lived connection through the node agent: numbered lines through
+/// the echo target, one every 10 ms, each read back before the next (as
+/// `kubectl logs -f` or a watch would see them: every line once, in order).
+/// Runs until `stop`; when each line was sent and how long it took to come
+/// back, or what broke.
+pub async fn numbered_lines(
+    mut stream: impl AsyncRead + AsyncWrite + Unpin,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<Vec<(std::time::Instant, std::time::Duration)>, String> {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    stream
+        .write_all(&header(b'E', 0, 0))
+        .await
+        .map_err(|e| e.to_string())?;
+    let (read, mut write) = tokio::io::split(stream);
+    let mut lines = BufReader::new(read).lines();
+    let mut round_trips = Vec::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let sent = round_trips.len();
+        let started = std::time::Instant::now();
+        write
+            .write_all(format!("line {sent}\n").as_bytes())
+            .await
+            .map_err(|e| format!("writing line {sent}: {e}"))?;
+        let line = tokio::time::timeout(std::time::Duration::from_secs(10), lines.next_line())
+            .await
+            .map_err(|_| format!("line {sent} did not come back within 10 s"))?
+            .map_err(|e| format!("reading line {sent}: {e}"))?
+            .ok_or_else(|| format!("the connection ended at line {sent}"))?;
+        if line != format!("line {sent}") {
+            return Err(format!(
+                "line {sent} came back as {line:?}: a line missing, doubled or out of order"
+            ));
+        }
+        round_trips.push((started, started.elapsed()));
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    Ok(round_trips)
+}
+
+/// For each replacement (when it began and ended) and connection (when each
+/// line was sent, and its round trip), the longest round trip of a line sent
+/// while the replacement ran: the pause the hand-over cost the connection.
+pub fn pauses_during(
+    replacing: &[(std::time::Instant, std::time::Instant)],
+    round_trips: &[Vec<(std::time::Instant, std::time::Duration)>],
+) -> Vec<std::time::Duration> {
+    let mut pauses = Vec::new();
+    for (began, ended) in replacing {
+        for lines in round_trips {
+            let longest = lines
+                .iter()
+                .filter(|(at, _)| at >= began && at <= ended)
+                .map(|(_, took)| *took)
+                .max();
+            pauses.extend(longest);
+        }
+    }
+    pauses
+}
+
+/// Line-by-line connections ([`numbered_lines`]), told to stop.
+pub type Lines = JoinHandle<Result<Vec<(std::time::Instant, std::time::Duration)>, String>>;
+
+/// Waits for each of `connections` (told to stop): the lines of each, or a
+/// panic naming the one that broke, and `context` (what happened meanwhile).
+pub async fn lines_of(
+    connections: Vec<Lines>,
+    context: &str,
+) -> Vec<Vec<(std::time::Instant, std::time::Duration)>> {
+    let mut lines = Vec::new();
+    for (i, connection) in connections.into_iter().enumerate() {
+        match connection.await.unwrap() {
+            Ok(sent) => lines.push(sent),
+            Err(broke) => panic!("long-lived connection {i}: {broke}\n{context}"),
+        }
+    }
+    lines
+}

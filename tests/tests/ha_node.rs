@@ -1,0 +1,245 @@
+//! A node agent behind one address with several servers (an HA control
+//! plane's load balancer; root): each captured connection's stream lives at
+//! the server that issued its token, and resumes only there. When the node
+//! tunnel reaches another server (a successor's, or one reconnected after a
+//! cut), the agent dials the address until a connection reaches the
+//! token's server and resumes those connections on it; a connection whose
+//! server died is reset at once.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::handover::{REPLACEMENTS, roll_with_connections};
+use crate::support::kas::*;
+use crate::support::netns::root_or_skip;
+use crate::support::targets::{self, numbered_lines, pauses_during};
+
+/// What a node agent logs when it found a server its connections need.
+const SEARCH: &str = "a connection of its own to the server that holds connections' streams";
+
+/// Kills the node agent's connections to the node frontend's address
+/// (`ss -K` in the node's namespace: a reset, as a balancer's cut is).
+fn cut_node_tunnels(topology: &Topology) -> usize {
+    let killed = topology.node.sh(&format!(
+        "ss -K -t -n dst {SERVER_IP} dport = :{NODE_FRONTEND_PORT} | tail -n +2 | grep -c ."
+    ));
+    String::from_utf8_lossy(&killed.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+/// The server the node agent's first tunnel reached, from its log.
+fn first_server(log: &str) -> usize {
+    let line = log
+        .lines()
+        .find(|line| line.contains("node tunnel connected"))
+        .unwrap_or_else(|| panic!("no tunnel line in\n{log}"));
+    (0..2)
+        .find(|n| line.contains(&format!("server_id=\"server-{n}\"")))
+        .unwrap_or_else(|| panic!("the tunnel line names no server: {line}"))
+}
+
+async fn streams_target(topology: &Topology) -> targets::Target {
+    targets::blob_on(tokio::net::TcpListener::from_std(topology.control_plane.bind_tcp(STREAMS)).unwrap())
+        .await
+}
+
+/// Behind one address, two servers (an HA control plane's load balancer,
+/// round robin): each successor's node tunnel reaches the other server than
+/// the one its predecessor's first connections live at, so that a handed
+/// connection's resume there is refused ("the token names another
+/// proxy-server"). The successor dials the address until a connection
+/// reaches the token's server and resumes those connections on it. Five
+/// replacements, with connections opened before each (on both servers, as
+/// the tunnels alternate): none breaks, no line goes missing or doubled,
+/// every successor resumes every connection and says which server it
+/// looked for. Without the search, the first replacement resets the first
+/// agent's connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_handed_connection_resumes_at_its_own_server() {
+    if !root_or_skip("each_handed_connection_resumes_at_its_own_server") {
+        return;
+    }
+    let topology = build_behind_balancer(2).await;
+    let _streams = streams_target(&topology).await;
+    let args = ["--drain-timeout=5s".to_owned(), STREAMS_CAPTURE.to_owned()];
+    let mut agent = topology.start_node_agent(&args);
+    topology.wait_node_ready().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut long_lived = Vec::new();
+    let mut searches = Vec::new();
+    let mut replacing = Vec::new();
+    for n in 0..REPLACEMENTS {
+        for _ in 0..4 {
+            let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+            long_lived.push(tokio::spawn(numbered_lines(stream, stop.clone())));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let began = Instant::now();
+        let (successor, log) = roll_with_connections(&topology, &mut agent, &args, n).await;
+        let search = log
+            .lines()
+            .find(|line| line.contains(SEARCH))
+            .unwrap_or_else(|| {
+                panic!("replacement {n}: the new agent's tunnel reached the same server:\n{log}")
+            })
+            .to_owned();
+        searches.push(search);
+        replacing.push((began, Instant::now()));
+        agent = successor;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let round_trips = targets::lines_of(long_lived, &format!("searches:\n{}", searches.join("\n"))).await;
+    let mut pauses = pauses_during(&replacing, &round_trips);
+    pauses.sort();
+    println!(
+        "{} lines through {} connections; pause p50 {:?}, max {:?}\nsearches:\n{}",
+        round_trips.iter().map(Vec::len).sum::<usize>(),
+        round_trips.len(),
+        pauses[pauses.len() / 2],
+        pauses.last().unwrap(),
+        searches.join("\n")
+    );
+    drop(agent);
+}
+
+/// Behind one address, the node tunnel cut six times (`ss -K`: every
+/// connection of the node agent to the balancer, the tunnel's and those of
+/// connections' own servers): each time the tunnel reconnects through the
+/// balancer, reaching the next server in turn, and each captured connection
+/// resumes at its own server. Connections are opened after each cut, so
+/// that both servers hold some. None breaks, no line goes missing or
+/// doubled, and the agent's log names the servers it looked for. Without
+/// the search, the first cut resets every connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuts_of_the_node_tunnel_resume_each_connection_at_its_own_server() {
+    const CUTS: usize = 6;
+    if !root_or_skip("cuts_of_the_node_tunnel_resume_each_connection_at_its_own_server") {
+        return;
+    }
+    let topology = build_behind_balancer(2).await;
+    let _streams = streams_target(&topology).await;
+    let agent = topology.start_node_agent(&[STREAMS_CAPTURE.to_owned()]);
+    topology.wait_node_ready().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut long_lived = Vec::new();
+    for cut in 0..CUTS {
+        for _ in 0..3 {
+            let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+            long_lived.push(tokio::spawn(numbered_lines(stream, stop.clone())));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            cut_node_tunnels(&topology) >= 1,
+            "cut {cut}: no connection to kill"
+        );
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        topology.wait_node_ready().await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let log = agent.log_text();
+    let lines: usize = targets::lines_of(long_lived, &log)
+        .await
+        .iter()
+        .map(Vec::len)
+        .sum();
+    let searches: Vec<&str> = log.lines().filter(|line| line.contains(SEARCH)).collect();
+    println!(
+        "{lines} lines through {} connections across {CUTS} cuts\nsearches:\n{}",
+        3 * CUTS,
+        searches.join("\n")
+    );
+    assert!(
+        !searches.is_empty(),
+        "no cut sent the tunnel to the other server:\n{log}"
+    );
+}
+
+/// A captured connection whose server died cannot resume (its session died
+/// with it): behind one address, the agent looks for that server, finds
+/// only the other, and resets the connection within seconds (not at
+/// `--resume-timeout`, a minute); the connections at the other server carry
+/// on, and new ones work. First connections land on the first server; a cut
+/// sends the tunnel to the other, where the next connections land (the
+/// first ones resume at their server on a connection of their own); then
+/// the first server is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_server_died_is_reset_and_only_it() {
+    if !root_or_skip("a_connection_whose_server_died_is_reset_and_only_it") {
+        return;
+    }
+    let mut topology = build_behind_balancer(2).await;
+    let _streams = streams_target(&topology).await;
+    let agent = topology.start_node_agent(&[STREAMS_CAPTURE.to_owned()]);
+    topology.wait_node_ready().await;
+    let first = first_server(&agent.log_text());
+    let (stop_first, stop_second) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let mut at_first = Vec::new();
+    for _ in 0..5 {
+        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+        at_first.push(tokio::spawn(numbered_lines(stream, stop_first.clone())));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(cut_node_tunnels(&topology) >= 1, "no connection to kill");
+    let agent_log = &agent;
+    crate::support::wait_until(
+        Duration::from_secs(15),
+        "the first connections to resume at their server",
+        || async { agent_log.log_text().contains(SEARCH) },
+    )
+    .await;
+    topology.wait_node_ready().await;
+    let mut at_second = Vec::new();
+    for _ in 0..5 {
+        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+        at_second.push(tokio::spawn(numbered_lines(stream, stop_second.clone())));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    topology.kill_server(first);
+    let killed = Instant::now();
+    for (i, connection) in at_first.into_iter().enumerate() {
+        let ended = tokio::time::timeout(Duration::from_secs(10), connection)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "connection {i} at the dead server still hangs after 10 s:\n{}",
+                    agent.log_text()
+                )
+            })
+            .unwrap();
+        assert!(ended.is_err(), "connection {i} went on without its server");
+    }
+    let ended_after = killed.elapsed();
+    // New connections work meanwhile, through the server that lives.
+    let stop_new = Arc::new(AtomicBool::new(false));
+    let new = tokio::spawn(numbered_lines(
+        topology.node.connect_tcp(STREAMS_VIP).unwrap(),
+        stop_new.clone(),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_new.store(true, Ordering::Relaxed);
+    stop_second.store(true, Ordering::Relaxed);
+    let new_lines = new.await.unwrap().expect("a new connection works");
+    assert!(new_lines.len() >= 10, "{} lines", new_lines.len());
+    for (i, connection) in at_second.into_iter().enumerate() {
+        let lines = connection.await.unwrap().unwrap_or_else(|broke| {
+            panic!(
+                "connection {i} at the living server: {broke}\n{}",
+                agent.log_text()
+            )
+        });
+        assert!(lines.len() >= 10, "{} lines", lines.len());
+    }
+    let log = agent.log_text();
+    println!(
+        "the dead server's connections ended {ended_after:?} after the kill; {}",
+        log.lines()
+            .find(|line| line.contains("reached server") || line.contains("no connection"))
+            .unwrap_or("")
+    );
+}
