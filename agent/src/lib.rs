@@ -306,7 +306,7 @@ async fn serve(
     let egress_handover = (node_handover || config.egress_handover.is_some()).then(|| {
         let (inherited, arriving) = tokio::sync::mpsc::unbounded_channel();
         let handover = konnectivity_node::sessions::EgressHandover {
-            handoff: konnectivity_node::capture::handoff::HandOff::new(),
+            handoff: konnectivity_node::handoff::HandOff::new(),
             inherited,
         };
         (handover, arriving)

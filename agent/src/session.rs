@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use konnectivity_mux::outbound::{Ahead, Outbound, Writer};
 use konnectivity_mux::{Connections, Delivery, Extensions};
-use konnectivity_node::capture::handoff::{Carried, HandOff};
+use konnectivity_node::handoff::{Carried, HandOff};
 use konnectivity_node::sessions::{EndpointState, HandedEndpoint, HandedSession, SessionState};
 use konnectivity_plumbing::lifecycle::Watcher;
 use konnectivity_plumbing::limit::{Limit, Slot};

@@ -79,7 +79,7 @@ pub async fn run(
         tunnel: tunnel_rx,
         metrics: metrics.clone(),
         resume_timeout: settings.resume_timeout,
-        handoff: crate::capture::handoff::HandOff::new(),
+        handoff: crate::handoff::HandOff::new(),
         servers: crate::tunnel::ServerTunnels::new(settings.clone()),
     });
     let mut background = tokio::task::JoinSet::new();
@@ -499,7 +499,7 @@ struct NodeRole {
     /// What the last collection left here: not resumable, busy.
     kept: std::sync::Mutex<(usize, usize)>,
     /// The agent's egress sessions, handed over with the rest.
-    egress: Option<Arc<crate::capture::handoff::HandOff<crate::sessions::HandedSession>>>,
+    egress: Option<Arc<crate::handoff::HandOff<crate::sessions::HandedSession>>>,
     /// What the last collection of sessions left here: not resumable, busy.
     kept_sessions: std::sync::Mutex<(usize, usize)>,
     handover: Option<socket2::Socket>,

@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 /// where the sessions this agent inherits go (to the agent's server loop).
 #[derive(Clone)]
 pub struct EgressHandover {
-    pub handoff: std::sync::Arc<crate::capture::handoff::HandOff<HandedSession>>,
+    pub handoff: std::sync::Arc<crate::handoff::HandOff<HandedSession>>,
     pub inherited: tokio::sync::mpsc::UnboundedSender<HandedSession>,
 }
 

@@ -12,9 +12,10 @@ use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 
-use crate::capture::handoff::{HandOff, HandedConnection};
+use crate::capture::handoff::HandedConnection;
 use crate::capture::map::{CaptureMap, OrigDst};
 use crate::capture::resumable::{self, Ended, ResumeContext};
+use crate::handoff::HandOff;
 use crate::metrics::{CaptureOutcome, NodeMetrics};
 use crate::tunnel::ServerTunnels;
 
@@ -28,7 +29,7 @@ pub(crate) struct CaptureContext {
     /// waits for a new one (zero: it is reset at once).
     pub resume_timeout: Duration,
     /// Where established connections go when a successor takes them.
-    pub handoff: Arc<HandOff>,
+    pub handoff: Arc<HandOff<HandedConnection>>,
     /// Connections to the server a stream lives at, when the node tunnel
     /// reached another.
     pub servers: Arc<ServerTunnels>,

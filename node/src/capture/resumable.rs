@@ -35,7 +35,8 @@ use konnectivity_proto::metadata::{
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
 
-use crate::capture::handoff::{ConnectionState, HandOff, HandedConnection};
+use crate::capture::handoff::{ConnectionState, HandedConnection};
+use crate::handoff::HandOff;
 use crate::tunnel::ServerTunnels;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -65,7 +66,7 @@ pub(crate) struct ResumeContext {
     pub timeout: Duration,
     pub metrics: Resumes,
     /// Where a connection goes when a successor takes them over.
-    pub handoff: Arc<HandOff>,
+    pub handoff: Arc<HandOff<HandedConnection>>,
     /// Connections to the server a stream lives at, when the node tunnel
     /// reached another.
     pub servers: Arc<ServerTunnels>,
