@@ -23,6 +23,17 @@ pub enum Commands {
     Scale(ScaleArgs),
     /// Runs many proxy-agents in one process (started by `scale`).
     Fleet(FleetArgs),
+    /// The cluster scale run: thousands of nodes with the node role, their
+    /// watches and kube-apiserver's dials, on one server.
+    Cluster(crate::cluster::ClusterArgs),
+    /// Runs many nodes (egress agent + node tunnel + their clients'
+    /// watches) in one process (started by `cluster`).
+    NodeFleet(crate::node_fleet::NodeFleetArgs),
+    /// A stand-in kube-apiserver serving watches (started by `cluster`).
+    KasStandin {
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+    },
     /// A plain relay (started by `run`; prints its port).
     Relay {
         /// The relay after this one; without, the target the client names.

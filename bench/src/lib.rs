@@ -4,7 +4,10 @@
 //! `hack/bench.sh` builds the release binaries and runs it.
 
 pub mod args;
+pub mod cluster;
 pub mod go_client;
+pub mod node_fleet;
+pub mod pki;
 pub mod report;
 pub mod route;
 pub mod scale;
@@ -12,6 +15,7 @@ pub mod scenarios;
 pub mod stack;
 pub mod targets;
 pub mod token_review;
+pub mod watch;
 
 use std::time::Duration;
 
@@ -33,6 +37,9 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         Commands::Run(args) => runtime.block_on(run(args)),
         Commands::Scale(args) => runtime.block_on(scale::scale(args)),
         Commands::Fleet(args) => runtime.block_on(scale::fleet(args)),
+        Commands::Cluster(args) => runtime.block_on(cluster::cluster(args)),
+        Commands::NodeFleet(args) => runtime.block_on(node_fleet::run(args)),
+        Commands::KasStandin { listen } => runtime.block_on(watch::serve(listen)),
         Commands::Relay { next } => runtime.block_on(route::relay(next)),
     }
 }

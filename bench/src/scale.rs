@@ -26,7 +26,7 @@ use crate::token_review::{TOKEN_PREFIX, TokenReviewer};
 /// Every tunnel is a socket in the client, the server, an agent and a
 /// target: raises the open-files limit to `needed` if this process may
 /// (CAP_SYS_RESOURCE), and returns the limit children will have.
-fn raise_descriptor_limit(needed: u64) -> anyhow::Result<u64> {
+pub(crate) fn raise_descriptor_limit(needed: u64) -> anyhow::Result<u64> {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
     if needed > hard && setrlimit(Resource::RLIMIT_NOFILE, needed, needed).is_ok() {
@@ -167,7 +167,7 @@ async fn dial_rate(
 }
 
 /// User and system CPU time of `proc` so far, in clock ticks (1/100 s).
-fn cpu_ticks(proc: &Proc) -> anyhow::Result<u64> {
+pub(crate) fn cpu_ticks(proc: &Proc) -> anyhow::Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{}/stat", proc.pid()))?;
     // After the command name in parentheses: utime and stime are the 12th
     // and 13th fields.
@@ -184,7 +184,7 @@ async fn cpu_share(proc: &Proc, window: Duration) -> anyhow::Result<f64> {
     Ok(used / started.elapsed().as_secs_f64())
 }
 
-async fn scrape(port: u16) -> anyhow::Result<String> {
+pub(crate) async fn scrape(port: u16) -> anyhow::Result<String> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
     let request = "GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
     stream.write_all(request.as_bytes()).await?;

@@ -66,7 +66,10 @@ impl Drop for Proc {
 
 pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
     let log = std::fs::File::create(layout.work.join(format!("{name}.log")))?;
-    let child = Command::new(program)
+    let mut command = Command::new(program);
+    // A harness killed mid-run (a timeout, ^C) takes its processes along.
+    konnectivity_plumbing::sys::die_with_parent(&mut command);
+    let child = command
         .args(args)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())

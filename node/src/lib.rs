@@ -13,6 +13,7 @@
 
 pub mod capture;
 pub mod cni;
+pub mod fleet;
 pub mod handoff;
 pub mod handover;
 pub mod metrics;

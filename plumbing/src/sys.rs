@@ -191,3 +191,19 @@ unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
 }
 
 pub mod cpu_samples;
+
+/// Makes the child `command` starts die (SIGKILL) when the thread that
+/// starts it exits: a harness killed before it could stop its children
+/// (the benchmark's fleets hold thousands of connections) leaves none
+/// behind. Start it from a thread that lives as long as the child should.
+pub fn die_with_parent(command: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed: it makes one prctl(2) call
+    // (through nix, no allocation) and returns its error by value.
+    unsafe {
+        command.pre_exec(|| {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL).map_err(std::io::Error::from)
+        });
+    }
+}

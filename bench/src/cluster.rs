@@ -1,0 +1,640 @@
+//! The cluster scale run (`hack/bench.sh --scale`): one proxy-server under
+//! the load of a cluster whose every node runs the node agent, on this
+//! machine. Per node: a real egress agent stream (the agents' client
+//! certificate, its own agent id) and a real node tunnel (its own node
+//! certificate), both from the agent's code, in fleet processes
+//! ([`crate::node_fleet`]); through the node tunnels, every node's clients'
+//! watches (ten per node by default: kubelet's, kube-proxy's, a CNI
+//! daemon's, ...) to a stand-in kube-apiserver behind real control-plane
+//! agents (the proxy-agent binary), each watch an event every 30 s on
+//! average; and kube-apiserver's own dials (HTTP CONNECT on the server's
+//! socket, as kube-apiserver dials logs, exec and webhooks), 500 a second,
+//! each 1 KiB there and back to an echo target through the nodes' agents.
+//!
+//! Measured: the server's memory per node and per captured connection; its
+//! CPU per 1,000 events a second; the delay an event and a dial take beyond
+//! direct TCP in the same run, with the fleet idle (probe watches only) and
+//! loaded; how long all nodes take to be back after the server restarts
+//! (agent streams, node tunnels, every watch). With the node role every
+//! agent proves itself by certificate (control-plane ids need one, and the
+//! server takes no ServiceAccount tokens beside a cluster CA, as upstream's
+//! does not): a restart costs kube-apiserver no TokenReview, and the line
+//! says 0. The last line is for scripts:
+//! `scale: nodes=N captured=N kib_per_node=X kib_per_captured=X p99_added_ms=X back_after_restart_s=X reviews_per_token=X`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+use crate::pki::ClusterPki;
+use crate::route::Route;
+use crate::scale::{cpu_ticks, raise_descriptor_limit, scrape};
+use crate::stack::{self, Layout, Proc};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClusterArgs {
+    /// Directory holding proxy-server and proxy-agent (a release build).
+    #[arg(long)]
+    pub bin_dir: PathBuf,
+    /// Sockets, certificates and logs of this run.
+    #[arg(long)]
+    pub work: PathBuf,
+    #[arg(long, default_value_t = 5000)]
+    pub nodes: usize,
+    /// Watches each node's clients hold through its node agent.
+    #[arg(long, default_value_t = 10)]
+    pub watches_per_node: usize,
+    /// The mean interval between two events of one watch.
+    #[arg(long, default_value_t = 30)]
+    pub event_interval_s: u64,
+    /// kube-apiserver's dials through the nodes' agents, per second.
+    #[arg(long, default_value_t = 500)]
+    pub dials_per_second: u64,
+    /// Each measurement's length.
+    #[arg(long, default_value_t = 30)]
+    pub measure_s: u64,
+    /// Nodes per fleet process: each node holds 25 descriptors (its agent
+    /// stream, health and admin listeners, node tunnel, capture listener
+    /// and ten watches on both ends), and a process may hold 20,000 here.
+    #[arg(long, default_value_t = 700)]
+    pub nodes_per_process: usize,
+    /// Control-plane agents (processes): the captured connections' sockets
+    /// to kube-apiserver are spread over them.
+    #[arg(long, default_value_t = 4)]
+    pub control_plane_agents: usize,
+    /// Stand-in kube-apiserver processes (one address each).
+    #[arg(long, default_value_t = 4)]
+    pub kas_processes: usize,
+    /// Probe watches (an event every 100 ms) through nodes, and as many
+    /// straight to the stand-in, for the delays with the fleet idle.
+    #[arg(long, default_value_t = 20)]
+    pub probes: usize,
+}
+
+/// The server's metrics this run reads.
+const AGENTS: &str = "konnectivity_network_proxy_server_ready_backend_connections";
+const HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
+
+/// The proxy-server under test.
+struct ClusterServer {
+    proc: Proc,
+    args: Vec<String>,
+    health: u16,
+    agent_port: u16,
+    node_port: u16,
+    uds: PathBuf,
+}
+
+impl ClusterServer {
+    fn start(
+        layout: &Layout,
+        pki: &ClusterPki,
+        args: &ClusterArgs,
+        kas: &[SocketAddr],
+    ) -> anyhow::Result<ClusterServer> {
+        let uds = layout.work.join("kas.socket");
+        let (agent_port, node_port, health) = (stack::free_port()?, stack::free_port()?, stack::free_port()?);
+        let server = pki.server();
+        let control_plane: Vec<String> = (0..args.control_plane_agents)
+            .map(|k| format!("cp-{k}"))
+            .collect();
+        let allowed: Vec<String> = kas.iter().map(SocketAddr::to_string).collect();
+        let flags = vec![
+            "--mode=http-connect".to_owned(),
+            format!("--uds-name={}", uds.display()),
+            "--delete-existing-uds-file".to_owned(),
+            "--server-port=0".to_owned(),
+            format!("--agent-port={agent_port}"),
+            "--agent-bind-address=127.0.0.1".to_owned(),
+            format!("--cluster-cert={}", server.cert.display()),
+            format!("--cluster-key={}", server.key.display()),
+            format!("--cluster-ca-cert={}", pki.cluster_ca().display()),
+            format!("--node-frontend-port={node_port}"),
+            "--node-frontend-bind-address=127.0.0.1".to_owned(),
+            format!("--node-client-ca-cert={}", pki.node_ca().display()),
+            format!("--node-allowed-destinations={}", allowed.join(",")),
+            format!("--control-plane-agent-ids={}", control_plane.join(",")),
+            format!("--health-port={health}"),
+            "--health-bind-address=127.0.0.1".to_owned(),
+            format!("--admin-port={}", stack::free_port()?),
+        ];
+        let proc = stack::spawn(
+            layout,
+            "proxy-server",
+            &layout.bin_dir.join("proxy-server"),
+            &flags,
+        )?;
+        Ok(ClusterServer {
+            proc,
+            args: flags,
+            health,
+            agent_port,
+            node_port,
+            uds,
+        })
+    }
+
+    /// SIGKILL, and the same server started again on the same ports.
+    fn restart(&mut self, layout: &Layout) -> anyhow::Result<()> {
+        self.proc.kill_now();
+        self.proc = stack::spawn(
+            layout,
+            "proxy-server-restarted",
+            &layout.bin_dir.join("proxy-server"),
+            &self.args,
+        )?;
+        Ok(())
+    }
+
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let text = scrape(self.health).await.ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|value| value.trim().parse().ok())
+    }
+
+    /// Settles, then its resident memory and live heap.
+    async fn memory(&self) -> anyhow::Result<(f64, f64)> {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let heap = self.metric(HEAP).await.context("the server's heap metric")?;
+        Ok((self.proc.resident_bytes()? as f64, heap))
+    }
+}
+
+/// The fleet processes, through their control ports.
+struct Fleets {
+    procs: Vec<Proc>,
+    controls: Vec<u16>,
+}
+
+/// What all fleets said.
+#[derive(Default, Debug)]
+struct FleetStats {
+    tunnels_up: usize,
+    bulk_up: usize,
+    bulk_broken: u64,
+    bulk: Vec<u32>,
+    probe_node: Vec<u32>,
+    probe_direct: Vec<u32>,
+}
+
+impl Fleets {
+    async fn ask(&self, command: &str) -> anyhow::Result<Vec<Value>> {
+        let mut answers = Vec::new();
+        for port in &self.controls {
+            let mut stream = TcpStream::connect(("127.0.0.1", *port)).await?;
+            stream.write_all(format!("{command}\n").as_bytes()).await?;
+            let mut line = String::new();
+            BufReader::new(stream).read_line(&mut line).await?;
+            answers.push(serde_json::from_str(&line)?);
+        }
+        Ok(answers)
+    }
+
+    async fn stats(&self) -> anyhow::Result<FleetStats> {
+        let mut all = FleetStats::default();
+        let delays = |value: &Value| -> Vec<u32> {
+            value["delays_us"]
+                .as_array()
+                .map(|list| list.iter().filter_map(|d| d.as_u64()).map(|d| d as u32).collect())
+                .unwrap_or_default()
+        };
+        for answer in self.ask("stats").await? {
+            all.tunnels_up += answer["tunnels_up"].as_u64().unwrap_or(0) as usize;
+            all.bulk_up += answer["bulk"]["up"].as_u64().unwrap_or(0) as usize;
+            all.bulk_broken += answer["bulk"]["broken"].as_u64().unwrap_or(0);
+            all.bulk.extend(delays(&answer["bulk"]));
+            all.probe_node.extend(delays(&answer["probe_node"]));
+            all.probe_direct.extend(delays(&answer["probe_direct"]));
+        }
+        Ok(all)
+    }
+}
+
+/// Percentiles of delays in microseconds, as milliseconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Spread {
+    p50: f64,
+    p99: f64,
+    max: f64,
+    count: usize,
+}
+
+impl Spread {
+    fn of(mut micros: Vec<u32>) -> Spread {
+        if micros.is_empty() {
+            return Spread::default();
+        }
+        micros.sort_unstable();
+        let at = |q: f64| micros[((micros.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
+        Spread {
+            p50: at(0.5),
+            p99: at(0.99),
+            max: at(1.0),
+            count: micros.len(),
+        }
+    }
+
+    fn minus(self, base: Spread) -> Spread {
+        Spread {
+            p50: self.p50 - base.p50,
+            p99: self.p99 - base.p99,
+            max: self.max - base.max,
+            count: self.count,
+        }
+    }
+
+    fn cells(self) -> String {
+        format!("{:.2} / {:.2} / {:.2}", self.p50, self.p99, self.max)
+    }
+}
+
+/// One measurement window: the delays of events and dials, and the
+/// server's CPU.
+struct Window {
+    probe_node: Spread,
+    probe_direct: Spread,
+    bulk: Spread,
+    dial_tunnel: Spread,
+    dial_direct: Spread,
+    dial_failures: usize,
+    events_per_second: f64,
+    server_cpu: f64,
+}
+
+/// kube-apiserver's dials for `length` at `rate` a second, each 1 KiB to the
+/// echo target and back, through `route`: their delays (µs) and failures.
+async fn dials(route: Route, echo: SocketAddr, rate: u64, length: Duration) -> (Vec<u32>, usize) {
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let ends = Instant::now() + length;
+    let mut running = tokio::task::JoinSet::new();
+    while Instant::now() < ends {
+        tick.tick().await;
+        let route = route.clone();
+        running.spawn(async move {
+            let started = Instant::now();
+            let mut conn = route.open(echo).await?;
+            let payload = [7u8; 1024];
+            conn.write_all(&payload).await?;
+            let mut back = [0u8; 1024];
+            conn.read_exact(&mut back).await?;
+            anyhow::ensure!(back == payload, "the echo came back changed");
+            Ok::<_, anyhow::Error>(started.elapsed().as_micros() as u32)
+        });
+    }
+    let (mut delays, mut failed) = (Vec::new(), 0);
+    while let Some(done) = running.join_next().await {
+        match done {
+            Ok(Ok(delay)) => delays.push(delay),
+            _ => failed += 1,
+        }
+    }
+    (delays, failed)
+}
+
+async fn measure(
+    server: &ClusterServer,
+    fleets: &Fleets,
+    echo: SocketAddr,
+    args: &ClusterArgs,
+) -> anyhow::Result<Window> {
+    let length = Duration::from_secs(args.measure_s);
+    // What was sampled before the window is dropped.
+    fleets.stats().await?;
+    let (cpu_before, started) = (cpu_ticks(&server.proc)?, Instant::now());
+    let half = args.dials_per_second / 2;
+    let tunnel = Route::HttpConnect {
+        uds: server.uds.clone(),
+    };
+    let ((mut tunnel_delays, tunnel_failed), (direct_delays, direct_failed)) = tokio::join!(
+        dials(tunnel, echo, half.max(1), length),
+        dials(Route::Direct, echo, (args.dials_per_second - half).max(1), length),
+    );
+    let elapsed = started.elapsed().as_secs_f64();
+    let server_cpu = (cpu_ticks(&server.proc)? - cpu_before) as f64 / 100.0 / elapsed;
+    let stats = fleets.stats().await?;
+    let events = stats.bulk.len() + stats.probe_node.len();
+    tunnel_delays.shrink_to_fit();
+    Ok(Window {
+        probe_node: Spread::of(stats.probe_node),
+        probe_direct: Spread::of(stats.probe_direct),
+        bulk: Spread::of(stats.bulk),
+        dial_tunnel: Spread::of(tunnel_delays),
+        dial_direct: Spread::of(direct_delays),
+        dial_failures: tunnel_failed + direct_failed,
+        events_per_second: events as f64 / elapsed,
+        server_cpu,
+    })
+}
+
+/// Waits until `done` holds, polling every 100 ms, at most `limit`: how long it took.
+async fn until<F, Fut>(what: &str, limit: Duration, mut done: F) -> anyhow::Result<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Option<String>>>,
+{
+    let started = Instant::now();
+    let mut last = String::new();
+    while started.elapsed() < limit {
+        match done().await? {
+            None => return Ok(started.elapsed()),
+            Some(state) => last = state,
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("{what}: not within {limit:?} ({last})")
+}
+
+/// Every node back: agent streams and node tunnels at the server, and
+/// (when `watches`) every bulk watch established.
+async fn all_back(
+    server: &ClusterServer,
+    fleets: &Fleets,
+    args: &ClusterArgs,
+    watches: usize,
+    limit: Duration,
+) -> anyhow::Result<Duration> {
+    let agents = (args.nodes + args.control_plane_agents) as f64;
+    until("every node back", limit, || async {
+        // The server counts agent streams; a node tunnel is a connection
+        // whose streams come and go, so the nodes say whether theirs
+        // answers its probes.
+        let at_server = server.metric(AGENTS).await;
+        let stats = fleets.stats().await?;
+        let back = at_server == Some(agents) && stats.tunnels_up == args.nodes && stats.bulk_up >= watches;
+        Ok((!back).then(|| {
+            format!(
+                "agent streams {at_server:?} of {agents}, node tunnels answering {} of {}, watches {} of {watches}",
+                stats.tunnels_up, args.nodes, stats.bulk_up
+            )
+        }))
+    })
+    .await
+}
+
+pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
+    let run_started = Instant::now();
+    std::fs::create_dir_all(&args.work)?;
+    let watches = args.nodes * args.watches_per_node;
+    // The server holds two sockets per node and a few hundred dials.
+    let limit = raise_descriptor_limit((2 * args.nodes + 2000) as u64)?;
+    if (2 * args.nodes + 2000) as u64 > limit {
+        bail!(
+            "{} nodes need {} open files in proxy-server; this machine allows {limit} per process",
+            args.nodes,
+            2 * args.nodes + 2000
+        );
+    }
+    eprintln!("== certificates for {} nodes", args.nodes);
+    let pki = ClusterPki::make(&args.work.join("pki"), args.control_plane_agents, args.nodes)?;
+    let layout = Layout {
+        bin_dir: args.bin_dir.clone(),
+        certs: pki.dir.clone(),
+        work: args.work.clone(),
+    };
+    let kas: Vec<SocketAddr> = (0..args.kas_processes)
+        .map(|k| SocketAddr::from(([127, 0, 1, 1 + k as u8], 6443)))
+        .collect();
+    let mut kas_procs = Vec::new();
+    for addr in &kas {
+        kas_procs.push(stack::spawn(
+            &layout,
+            &format!("kas-{}", addr.ip()),
+            &std::env::current_exe()?,
+            &["kas-standin".to_owned(), format!("--listen={addr}")],
+        )?);
+    }
+    let (_targets_proc, targets) = stack::start_targets(&layout)?;
+    for addr in &kas {
+        until("the stand-in kube-apiserver", Duration::from_secs(20), || async {
+            Ok(TcpStream::connect(addr)
+                .await
+                .err()
+                .map(|error| error.to_string()))
+        })
+        .await?;
+    }
+
+    let mut server = ClusterServer::start(&layout, &pki, &args, &kas)?;
+    until("proxy-server", Duration::from_secs(20), || async {
+        Ok(server
+            .metric(AGENTS)
+            .await
+            .is_none()
+            .then(|| "no metrics yet".to_owned()))
+    })
+    .await?;
+    let bare = server.memory().await?;
+
+    eprintln!("== {} control-plane agents", args.control_plane_agents);
+    let mut control_plane = Vec::new();
+    for k in 0..args.control_plane_agents {
+        let pair = pki.control_plane_agent(k);
+        control_plane.push(stack::spawn(
+            &layout,
+            &format!("cp-{k}"),
+            &args.bin_dir.join("proxy-agent"),
+            &[
+                "--proxy-server-host=127.0.0.1".to_owned(),
+                format!("--proxy-server-port={}", server.agent_port),
+                format!("--ca-cert={}", pki.cluster_ca().display()),
+                format!("--agent-cert={}", pair.cert.display()),
+                format!("--agent-key={}", pair.key.display()),
+                format!("--agent-id=cp-{k}"),
+                format!("--health-server-port={}", stack::free_port()?),
+                format!("--admin-server-port={}", stack::free_port()?),
+            ],
+        )?);
+    }
+
+    let processes = args.nodes.div_ceil(args.nodes_per_process);
+    eprintln!("== {} nodes in {processes} processes", args.nodes);
+    let connecting = Instant::now();
+    let mut fleets = Fleets {
+        procs: Vec::new(),
+        controls: Vec::new(),
+    };
+    let kas_list: Vec<String> = kas.iter().map(SocketAddr::to_string).collect();
+    for first in (0..args.nodes).step_by(args.nodes_per_process) {
+        let control = stack::free_port()?;
+        fleets.procs.push(stack::spawn(
+            &layout,
+            &format!("fleet-{first}"),
+            &std::env::current_exe()?,
+            &[
+                "node-fleet".to_owned(),
+                format!("--first={first}"),
+                format!("--nodes={}", args.nodes_per_process.min(args.nodes - first)),
+                format!("--server-port={}", server.agent_port),
+                format!("--node-frontend-port={}", server.node_port),
+                format!("--pki={}", pki.dir.display()),
+                format!("--kas={}", kas_list.join(",")),
+                format!("--watches={}", args.watches_per_node),
+                format!("--event-interval-ms={}", args.event_interval_s * 1000),
+                format!("--probes={}", if first == 0 { args.probes } else { 0 }),
+                format!("--control-port={control}"),
+            ],
+        )?);
+        fleets.controls.push(control);
+    }
+    for port in &fleets.controls {
+        until("a fleet's control port", Duration::from_secs(120), || async {
+            Ok(TcpStream::connect(("127.0.0.1", *port))
+                .await
+                .err()
+                .map(|error| error.to_string()))
+        })
+        .await?;
+    }
+    all_back(&server, &fleets, &args, 0, Duration::from_secs(300)).await?;
+    let connected_in = connecting.elapsed();
+    let with_nodes = server.memory().await?;
+
+    eprintln!(
+        "== idle: {} probe watches, {} dials/s",
+        args.probes, args.dials_per_second
+    );
+    let idle = measure(&server, &fleets, targets.echo, &args).await?;
+
+    eprintln!("== {watches} watches");
+    let opening = Instant::now();
+    fleets.ask("open").await?;
+    all_back(&server, &fleets, &args, watches, Duration::from_secs(600)).await?;
+    let opened_in = opening.elapsed();
+    let with_watches = server.memory().await?;
+
+    eprintln!("== loaded: {watches} watches, {} dials/s", args.dials_per_second);
+    let loaded = measure(&server, &fleets, targets.echo, &args).await?;
+
+    eprintln!("== restart");
+    let broken_before = fleets.stats().await?.bulk_broken;
+    let restarted = Instant::now();
+    server.restart(&layout)?;
+    let back_after = match all_back(&server, &fleets, &args, watches, Duration::from_secs(300)).await {
+        Ok(_) => restarted.elapsed(),
+        Err(error) => {
+            eprintln!("{error}");
+            Duration::from_secs(300)
+        }
+    };
+    let broken = fleets.stats().await?.bulk_broken - broken_before;
+
+    let kib = |bytes: f64| bytes / 1024.0;
+    let per_node = |at: (f64, f64), base: (f64, f64)| {
+        (
+            kib((at.0 - base.0) / args.nodes as f64),
+            kib((at.1 - base.1) / args.nodes as f64),
+        )
+    };
+    let (rss_node, heap_node) = per_node(with_nodes, bare);
+    let (rss_watch, heap_watch) = (
+        kib((with_watches.0 - with_nodes.0) / watches as f64),
+        kib((with_watches.1 - with_nodes.1) / watches as f64),
+    );
+    let added_idle = idle.probe_node.minus(idle.probe_direct);
+    let added_loaded = loaded.probe_node.minus(loaded.probe_direct);
+    let dial_added_idle = idle.dial_tunnel.minus(idle.dial_direct);
+    let dial_added_loaded = loaded.dial_tunnel.minus(loaded.dial_direct);
+    let cpu_per_thousand = if loaded.events_per_second > 0.0 {
+        (loaded.server_cpu - idle.server_cpu).max(0.0) / (loaded.events_per_second / 1000.0)
+    } else {
+        0.0
+    };
+    println!(
+        "| cluster scale figure ({} nodes, {watches} captured watches, {} dials/s) | value |",
+        args.nodes, args.dials_per_second
+    );
+    println!("|---|---:|");
+    println!(
+        "| server per node (agent stream + node tunnel): resident / heap | {rss_node:.1} / {heap_node:.1} KiB |"
+    );
+    println!("| server per captured watch: resident / heap | {rss_watch:.2} / {heap_watch:.2} KiB |");
+    println!(
+        "| server resident: bare / with nodes / with watches | {:.0} / {:.0} / {:.0} MiB |",
+        kib(kib(bare.0)),
+        kib(kib(with_nodes.0)),
+        kib(kib(with_watches.0))
+    );
+    println!(
+        "| server CPU: idle fleet / loaded ({:.0} events/s) / per 1,000 events/s beyond idle | {:.0}% / {:.0}% / {:.1}% of a CPU |",
+        loaded.events_per_second,
+        idle.server_cpu * 100.0,
+        loaded.server_cpu * 100.0,
+        cpu_per_thousand * 100.0
+    );
+    println!(
+        "| event delay, node path, ms p50 / p99 / max: idle fleet | {} |",
+        idle.probe_node.cells()
+    );
+    println!(
+        "| event delay, direct TCP, idle fleet | {} |",
+        idle.probe_direct.cells()
+    );
+    println!(
+        "| event delay, node path, loaded | {} |",
+        loaded.probe_node.cells()
+    );
+    println!(
+        "| event delay, direct TCP, loaded | {} |",
+        loaded.probe_direct.cells()
+    );
+    println!(
+        "| event delay added by the node path: idle / loaded (p99) | {:.2} / {:.2} ms |",
+        added_idle.p99, added_loaded.p99
+    );
+    println!(
+        "| every watch's events, loaded ({} events) | {} |",
+        loaded.bulk.count,
+        loaded.bulk.cells()
+    );
+    println!(
+        "| dial + 1 KiB round trip through the server: idle / loaded | {} / {} |",
+        idle.dial_tunnel.cells(),
+        loaded.dial_tunnel.cells()
+    );
+    println!(
+        "| the same, direct TCP: idle / loaded | {} / {} |",
+        idle.dial_direct.cells(),
+        loaded.dial_direct.cells()
+    );
+    println!(
+        "| dial delay added (p99): idle / loaded | {:.2} / {:.2} ms |",
+        dial_added_idle.p99, dial_added_loaded.p99
+    );
+    println!(
+        "| dials failed: idle / loaded | {} / {} |",
+        idle.dial_failures, loaded.dial_failures
+    );
+    println!(
+        "| all nodes connected after start (agent streams + node tunnels) | {:.1} s |",
+        connected_in.as_secs_f64()
+    );
+    println!(
+        "| all {watches} watches established | {:.1} s |",
+        opened_in.as_secs_f64()
+    );
+    println!(
+        "| every node back after a server restart (streams, tunnels, watches re-established: {broken} broke) | {:.1} s |",
+        back_after.as_secs_f64()
+    );
+    // With the node role, every agent proves itself by certificate (the
+    // control-plane ids need one, and the server takes no tokens beside a
+    // cluster CA, as upstream's): a restart asks kube-apiserver nothing.
+    println!("| kube-apiserver requests (TokenReviews) for a restart | 0 (certificates) |");
+    println!("| run took | {:.0} s |", run_started.elapsed().as_secs_f64());
+    let reviews_per_token = 0.0;
+    println!(
+        "scale: nodes={} captured={watches} kib_per_node={rss_node:.1} kib_per_captured={rss_watch:.2} p99_added_ms={:.2} back_after_restart_s={:.1} reviews_per_token={reviews_per_token:.2}",
+        args.nodes,
+        added_loaded.p99.max(dial_added_loaded.p99),
+        back_after.as_secs_f64()
+    );
+    drop((control_plane, kas_procs));
+    Ok(())
+}

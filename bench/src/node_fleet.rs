@@ -1,0 +1,206 @@
+//! A fleet of nodes in one process, for the cluster scale run: each node is
+//! what the node agent DaemonSet runs on a node, a real egress agent (the
+//! agents' client certificate, its own agent id) and the node role's tunnel and
+//! capture path ([`konnectivity_node::fleet`]), with its clients' watches
+//! through it. Thousands share a process: the run spreads them over several
+//! so that no process needs more than its open-files limit.
+//!
+//! The fleet answers on a control port, one command a line: `open` starts
+//! the bulk watches, `stats` answers one JSON line (the nodes whose tunnel
+//! answers, the watches up, broken and established, and the event delays
+//! since the last `stats`).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use konnectivity_node::fleet::FleetNode;
+use konnectivity_node::settings::NodeSettings;
+use konnectivity_plumbing::tls::{Identity, PemFile};
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
+
+use crate::pki::ClusterPki;
+use crate::watch::{self, WatchStats};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct NodeFleetArgs {
+    /// The number of the first node (node-N).
+    #[arg(long)]
+    pub first: usize,
+    #[arg(long)]
+    pub nodes: usize,
+    #[arg(long)]
+    pub server_port: u16,
+    #[arg(long)]
+    pub node_frontend_port: u16,
+    /// The run's certificates ([`ClusterPki`]).
+    #[arg(long)]
+    pub pki: PathBuf,
+    /// The stand-in kube-apiserver addresses; node N's clients reach
+    /// address N mod their count.
+    #[arg(long, value_delimiter = ',')]
+    pub kas: Vec<SocketAddr>,
+    /// Watches each node's clients hold.
+    #[arg(long)]
+    pub watches: usize,
+    /// The mean interval between two events of a watch.
+    #[arg(long)]
+    pub event_interval_ms: u64,
+    /// Probe watches (events every 100 ms), this many through nodes' capture
+    /// and as many straight to the stand-in, from the start.
+    #[arg(long, default_value_t = 0)]
+    pub probes: usize,
+    #[arg(long)]
+    pub control_port: u16,
+}
+
+/// Where node N's clients reach the node's capture (what REDIRECT would
+/// send them to): an address of its own in 127.0.0.0/8, so that the
+/// fleet's 50,000 connections never run short of ports.
+fn capture_addr(n: usize) -> SocketAddr {
+    let ip = Ipv4Addr::new(
+        127,
+        10 + (n / 62_500) as u8,
+        ((n / 250) % 250) as u8,
+        (n % 250 + 1) as u8,
+    );
+    SocketAddr::new(IpAddr::V4(ip), 6443)
+}
+
+/// How often a probe watch gets an event.
+const PROBE_INTERVAL: Duration = Duration::from_millis(100);
+
+pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
+    let pki = ClusterPki {
+        dir: args.pki.clone(),
+    };
+    let pem = |what: &'static str, path: PathBuf| PemFile::new(what, path);
+    let mut nodes: Vec<(FleetNode, SocketAddr)> = Vec::with_capacity(args.nodes);
+    // Held: the agents run until the process is killed.
+    let mut triggers = Vec::with_capacity(args.nodes);
+    for n in args.first..args.first + args.nodes {
+        triggers.push(start_agent(&args, &pki, n)?);
+        let node_pair = pki.node(n);
+        let tls = konnectivity_plumbing::tls::client_config(
+            Some(&pem("ca-cert", pki.cluster_ca())),
+            Some(&Identity {
+                cert: pem("node-client-cert", node_pair.cert),
+                key: pem("node-client-key", node_pair.key),
+            }),
+            &[],
+        )?;
+        let settings = NodeSettings {
+            captures: Default::default(),
+            capture_port: 0,
+            mark: 0,
+            server_host: "127.0.0.1".to_owned(),
+            node_frontend_port: args.node_frontend_port,
+            tls: Arc::new(tls),
+            sync_interval: Duration::from_secs(1),
+            sync_interval_cap: Duration::from_secs(10),
+            cni: None,
+            handover_socket: None,
+            resume_timeout: Duration::from_secs(60),
+            egress: None,
+        };
+        let addr = capture_addr(n);
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("node-{n}'s capture listener on {addr}"))?;
+        let target = args.kas[n % args.kas.len()];
+        let (node, serving) = konnectivity_node::fleet::serve_without_rules(settings, listener, target);
+        tokio::spawn(serving);
+        nodes.push((node, addr));
+    }
+    println!("{} nodes started", args.nodes);
+
+    let bulk = Arc::new(WatchStats::default());
+    let probe_node = Arc::new(WatchStats::default());
+    let probe_direct = Arc::new(WatchStats::default());
+    for (i, (_, addr)) in nodes.iter().enumerate().take(args.probes) {
+        tokio::spawn(watch::hold(*addr, PROBE_INTERVAL, probe_node.clone()));
+        let kas = args.kas[(args.first + i) % args.kas.len()];
+        tokio::spawn(watch::hold(kas, PROBE_INTERVAL, probe_direct.clone()));
+    }
+    let control = TcpListener::bind(("127.0.0.1", args.control_port)).await?;
+    let mut opened = false;
+    loop {
+        let (stream, _) = control.accept().await?;
+        let (read, mut write) = stream.into_split();
+        let mut lines = BufReader::new(read).lines();
+        while let Ok(Some(command)) = lines.next_line().await {
+            let answer = match command.trim() {
+                "open" if !opened => {
+                    opened = true;
+                    let mean = Duration::from_millis(args.event_interval_ms);
+                    for (_, addr) in &nodes {
+                        for _ in 0..args.watches {
+                            tokio::spawn(watch::hold(*addr, mean, bulk.clone()));
+                        }
+                    }
+                    json!({"opened": nodes.len() * args.watches})
+                }
+                "open" => json!({"opened": 0}),
+                "stats" => {
+                    let tunnels = nodes
+                        .iter()
+                        .filter(|(node, _)| node.readiness.tunnel_connected.load(Ordering::Relaxed))
+                        .count();
+                    json!({
+                        "tunnels_up": tunnels,
+                        "bulk": stats(&bulk),
+                        "probe_node": stats(&probe_node),
+                        "probe_direct": stats(&probe_direct),
+                    })
+                }
+                other => json!({"error": format!("unknown command {other:?}")}),
+            };
+            write.write_all(format!("{answer}\n").as_bytes()).await?;
+        }
+    }
+}
+
+fn stats(watches: &WatchStats) -> serde_json::Value {
+    json!({
+        "up": watches.up.load(Ordering::Relaxed),
+        "established": watches.established.load(Ordering::Relaxed),
+        "broken": watches.broken.load(Ordering::Relaxed),
+        "delays_us": watches.take_samples(),
+    })
+}
+
+/// Node N's egress agent: the agent library, as the binary runs it; it
+/// drains when the trigger returned is pulled.
+fn start_agent(
+    args: &NodeFleetArgs,
+    pki: &ClusterPki,
+    n: usize,
+) -> anyhow::Result<konnectivity_plumbing::lifecycle::Trigger> {
+    let agent = pki.agent();
+    let flags = konnectivity_agent::config::Args::try_parse_from([
+        "proxy-agent".to_owned(),
+        "--proxy-server-host=127.0.0.1".to_owned(),
+        format!("--proxy-server-port={}", args.server_port),
+        format!("--ca-cert={}", pki.cluster_ca().display()),
+        format!("--agent-cert={}", agent.cert.display()),
+        format!("--agent-key={}", agent.key.display()),
+        format!("--agent-id=node-{n}"),
+    ])?;
+    let mut config = konnectivity_agent::config::Config::from_args(&flags)?;
+    // Each agent's health and admin listeners on ports of the kernel's choosing.
+    config.health_addr.set_port(0);
+    config.admin_addr.set_port(0);
+    let (trigger, watcher) = konnectivity_plumbing::lifecycle::channel();
+    tokio::spawn(async move {
+        if let Err(error) = konnectivity_agent::run_with_drain(config, watcher).await {
+            eprintln!("agent node-{n}: {error}");
+        }
+    });
+    Ok(trigger)
+}
