@@ -1191,7 +1191,7 @@ impl Session {
             else {
                 tracing::warn!(state = ?endpoint.state, "a connection handed over does not add up; reset");
                 if let Some(socket) = endpoint.socket {
-                    konnectivity_node::sessions::reset(socket);
+                    konnectivity_plumbing::net::reset(socket);
                 }
                 continue;
             };

@@ -1,5 +1,6 @@
 //! `konnectivity-bench`'s commands and flags.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
@@ -25,10 +26,10 @@ pub enum Commands {
     Fleet(FleetArgs),
     /// The cluster scale run: thousands of nodes with the node role, their
     /// watches and kube-apiserver's dials, on one server.
-    Cluster(crate::cluster::ClusterArgs),
+    Cluster(ClusterArgs),
     /// Runs many nodes (egress agent + node tunnel + their clients'
     /// watches) in one process (started by `cluster`).
-    NodeFleet(crate::node_fleet::NodeFleetArgs),
+    NodeFleet(NodeFleetArgs),
     /// A stand-in kube-apiserver serving watches (started by `cluster`).
     KasStandin {
         #[arg(long)]
@@ -140,4 +141,76 @@ pub struct FleetArgs {
     /// Holds agent-N, the token of agent N.
     #[arg(long)]
     pub tokens: PathBuf,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClusterArgs {
+    /// Directory holding proxy-server and proxy-agent (a release build).
+    #[arg(long)]
+    pub bin_dir: PathBuf,
+    /// Sockets, certificates and logs of this run.
+    #[arg(long)]
+    pub work: PathBuf,
+    #[arg(long, default_value_t = 5000)]
+    pub nodes: usize,
+    /// Watches each node's clients hold through its node agent.
+    #[arg(long, default_value_t = 10)]
+    pub watches_per_node: usize,
+    /// The mean interval between two events of one watch.
+    #[arg(long, default_value_t = 30)]
+    pub event_interval_s: u64,
+    /// kube-apiserver's dials through the nodes' agents, per second.
+    #[arg(long, default_value_t = 500)]
+    pub dials_per_second: u64,
+    /// Each measurement's length.
+    #[arg(long, default_value_t = 30)]
+    pub measure_s: u64,
+    /// Nodes per fleet process: each node holds 25 descriptors (its agent
+    /// stream, health and admin listeners, node tunnel, capture listener
+    /// and ten watches on both ends), and a process may hold 20,000 here.
+    #[arg(long, default_value_t = 700)]
+    pub nodes_per_process: usize,
+    /// Control-plane agents (processes): the captured connections' sockets
+    /// to kube-apiserver are spread over them.
+    #[arg(long, default_value_t = 4)]
+    pub control_plane_agents: usize,
+    /// Stand-in kube-apiserver processes (one address each).
+    #[arg(long, default_value_t = 4)]
+    pub kas_processes: usize,
+    /// Probe watches (an event every 100 ms) through nodes, and as many
+    /// straight to the stand-in, for the delays with the fleet idle.
+    #[arg(long, default_value_t = 20)]
+    pub probes: usize,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct NodeFleetArgs {
+    /// The number of the first node (node-N).
+    #[arg(long)]
+    pub first: usize,
+    #[arg(long)]
+    pub nodes: usize,
+    #[arg(long)]
+    pub server_port: u16,
+    #[arg(long)]
+    pub node_frontend_port: u16,
+    /// The run's certificates ([`ClusterPki`]).
+    #[arg(long)]
+    pub pki: PathBuf,
+    /// The stand-in kube-apiserver addresses; node N's clients reach
+    /// address N mod their count.
+    #[arg(long, value_delimiter = ',')]
+    pub kas: Vec<SocketAddr>,
+    /// Watches each node's clients hold.
+    #[arg(long)]
+    pub watches: usize,
+    /// The mean interval between two events of a watch.
+    #[arg(long)]
+    pub event_interval_ms: u64,
+    /// Probe watches (events every 100 ms), this many through nodes' capture
+    /// and as many straight to the stand-in, from the start.
+    #[arg(long, default_value_t = 0)]
+    pub probes: usize,
+    #[arg(long)]
+    pub control_port: u16,
 }

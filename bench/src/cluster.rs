@@ -31,50 +31,10 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
+use crate::args::ClusterArgs;
 use crate::pki::ClusterPki;
 use crate::route::Route;
-use crate::scale::{cpu_ticks, raise_descriptor_limit, scrape};
-use crate::stack::{self, Layout, Proc};
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct ClusterArgs {
-    /// Directory holding proxy-server and proxy-agent (a release build).
-    #[arg(long)]
-    pub bin_dir: PathBuf,
-    /// Sockets, certificates and logs of this run.
-    #[arg(long)]
-    pub work: PathBuf,
-    #[arg(long, default_value_t = 5000)]
-    pub nodes: usize,
-    /// Watches each node's clients hold through its node agent.
-    #[arg(long, default_value_t = 10)]
-    pub watches_per_node: usize,
-    /// The mean interval between two events of one watch.
-    #[arg(long, default_value_t = 30)]
-    pub event_interval_s: u64,
-    /// kube-apiserver's dials through the nodes' agents, per second.
-    #[arg(long, default_value_t = 500)]
-    pub dials_per_second: u64,
-    /// Each measurement's length.
-    #[arg(long, default_value_t = 30)]
-    pub measure_s: u64,
-    /// Nodes per fleet process: each node holds 25 descriptors (its agent
-    /// stream, health and admin listeners, node tunnel, capture listener
-    /// and ten watches on both ends), and a process may hold 20,000 here.
-    #[arg(long, default_value_t = 700)]
-    pub nodes_per_process: usize,
-    /// Control-plane agents (processes): the captured connections' sockets
-    /// to kube-apiserver are spread over them.
-    #[arg(long, default_value_t = 4)]
-    pub control_plane_agents: usize,
-    /// Stand-in kube-apiserver processes (one address each).
-    #[arg(long, default_value_t = 4)]
-    pub kas_processes: usize,
-    /// Probe watches (an event every 100 ms) through nodes, and as many
-    /// straight to the stand-in, for the delays with the fleet idle.
-    #[arg(long, default_value_t = 20)]
-    pub probes: usize,
-}
+use crate::stack::{self, Layout, Proc, cpu_ticks, raise_descriptor_limit, scrape};
 
 /// The server's metrics this run reads.
 const AGENTS: &str = "konnectivity_network_proxy_server_ready_backend_connections";

@@ -25,40 +25,9 @@ use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;
 
+use crate::args::NodeFleetArgs;
 use crate::pki::ClusterPki;
 use crate::watch::{self, WatchStats};
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct NodeFleetArgs {
-    /// The number of the first node (node-N).
-    #[arg(long)]
-    pub first: usize,
-    #[arg(long)]
-    pub nodes: usize,
-    #[arg(long)]
-    pub server_port: u16,
-    #[arg(long)]
-    pub node_frontend_port: u16,
-    /// The run's certificates ([`ClusterPki`]).
-    #[arg(long)]
-    pub pki: PathBuf,
-    /// The stand-in kube-apiserver addresses; node N's clients reach
-    /// address N mod their count.
-    #[arg(long, value_delimiter = ',')]
-    pub kas: Vec<SocketAddr>,
-    /// Watches each node's clients hold.
-    #[arg(long)]
-    pub watches: usize,
-    /// The mean interval between two events of a watch.
-    #[arg(long)]
-    pub event_interval_ms: u64,
-    /// Probe watches (events every 100 ms), this many through nodes' capture
-    /// and as many straight to the stand-in, from the start.
-    #[arg(long, default_value_t = 0)]
-    pub probes: usize,
-    #[arg(long)]
-    pub control_port: u16,
-}
 
 /// Where node N's clients reach the node's capture (what REDIRECT would
 /// send them to): an address of its own in 127.0.0.0/8, so that the

@@ -20,20 +20,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::args::{FleetArgs, ScaleArgs};
 use crate::route::Route;
 use crate::scenarios;
-use crate::stack::{self, Layout, Proc};
+use crate::stack::{self, Layout, Proc, cpu_ticks, raise_descriptor_limit, scrape};
 use crate::token_review::{TOKEN_PREFIX, TokenReviewer};
-
-/// Every tunnel is a socket in the client, the server, an agent and a
-/// target: raises the open-files limit to `needed` if this process may
-/// (CAP_SYS_RESOURCE), and returns the limit children will have.
-pub(crate) fn raise_descriptor_limit(needed: u64) -> anyhow::Result<u64> {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
-    if needed > hard && setrlimit(Resource::RLIMIT_NOFILE, needed, needed).is_ok() {
-        return Ok(needed);
-    }
-    Ok(hard)
-}
 
 /// At most this many tunnels' sockets in one fleet or target process.
 const SOCKETS_PER_HELPER: usize = 8000;
@@ -166,31 +154,12 @@ async fn dial_rate(
     Ok((rate, used * 1e6 / dials as f64))
 }
 
-/// User and system CPU time of `proc` so far, in clock ticks (1/100 s).
-pub(crate) fn cpu_ticks(proc: &Proc) -> anyhow::Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", proc.pid()))?;
-    // After the command name in parentheses: utime and stime are the 12th
-    // and 13th fields.
-    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
-}
-
 /// The share of one CPU `proc` used over `window`.
 async fn cpu_share(proc: &Proc, window: Duration) -> anyhow::Result<f64> {
     let (before, started) = (cpu_ticks(proc)?, Instant::now());
     tokio::time::sleep(window).await;
     let used = (cpu_ticks(proc)? - before) as f64 / 100.0;
     Ok(used / started.elapsed().as_secs_f64())
-}
-
-pub(crate) async fn scrape(port: u16) -> anyhow::Result<String> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let request = "GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
-    stream.write_all(request.as_bytes()).await?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await?;
-    Ok(response)
 }
 
 /// Settles, then the server's resident memory.

@@ -272,3 +272,35 @@ async fn wait_ready(port: u16, limit: Duration) -> anyhow::Result<()> {
     }
     bail!("not ready within {limit:?}")
 }
+
+/// Every tunnel is a socket in the client, the server, an agent and a
+/// target: raises the open-files limit to `needed` if this process may
+/// (CAP_SYS_RESOURCE), and returns the limit children will have.
+pub fn raise_descriptor_limit(needed: u64) -> anyhow::Result<u64> {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if needed > hard && setrlimit(Resource::RLIMIT_NOFILE, needed, needed).is_ok() {
+        return Ok(needed);
+    }
+    Ok(hard)
+}
+
+/// User and system CPU time of `proc` so far, in clock ticks (1/100 s).
+pub fn cpu_ticks(proc: &Proc) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", proc.pid()))?;
+    // After the command name in parentheses: utime and stime are the 12th
+    // and 13th fields.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    Ok(fields[11].parse::<u64>()? + fields[12].parse::<u64>()?)
+}
+
+/// The Prometheus text a process serves on loopback `port`'s /metrics.
+pub async fn scrape(port: u16) -> anyhow::Result<String> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    let request = "GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
+    stream.write_all(request.as_bytes()).await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    Ok(response)
+}

@@ -36,9 +36,9 @@ use serde::{Deserialize, Serialize};
 use socket2::{Domain, SockAddr, Socket, Type};
 
 use crate::capture::handoff::{ConnectionState, HandedConnection};
-use crate::capture::listener::reset;
 use crate::pods::state::PodState;
 use crate::sessions::{EndpointState, HandedEndpoint, HandedSession, SessionState};
+use konnectivity_plumbing::net::reset;
 
 /// The protocol's version; a predecessor that speaks another refuses.
 const VERSION: u32 = 1;

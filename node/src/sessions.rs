@@ -51,13 +51,6 @@ pub fn report_sent(
 /// the server sent before its DRAIN arrive and finish first.
 pub const COLLECT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Resets a connection's socket that cannot be handed over or served: its
-/// peer sees a failure, not a clean end that would pass for the whole
-/// answer.
-pub fn reset(socket: OwnedFd) {
-    crate::capture::listener::reset(socket);
-}
-
 /// What the successor needs to resume a session's stream.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionState {

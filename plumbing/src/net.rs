@@ -35,3 +35,11 @@ pub fn grpc_connection_ended(status: &tonic::Status) -> bool {
     }
     false
 }
+
+/// Ends a TCP connection with a reset rather than a clean close: its peer
+/// sees a failure at once and retries, instead of taking what it got for
+/// the whole answer. The reset goes when the last descriptor of the socket
+/// closes (this only sets `SO_LINGER` to zero).
+pub fn reset(connection: impl std::os::fd::AsFd) {
+    let _ = socket2::SockRef::from(&connection).set_linger(Some(std::time::Duration::ZERO));
+}

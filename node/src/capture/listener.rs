@@ -3,11 +3,12 @@
 //! through the node frontend to its mapped target.
 
 use std::io;
-use std::os::fd::AsFd;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use konnectivity_client::Tunnel;
+use konnectivity_plumbing::net::reset;
 use konnectivity_telemetry::metrics::GaugeGuard;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
@@ -80,13 +81,6 @@ fn original_dst(connection: &TcpStream) -> io::Result<OrigDst> {
     addr.as_socket()
         .map(OrigDst)
         .ok_or_else(|| io::Error::other("original destination is not an IP address"))
-}
-
-/// Ends a captured connection with a reset: its client sees a failure at
-/// once and retries, instead of hanging or mistaking it for a clean end.
-/// The reset goes when the last descriptor of the socket closes.
-pub(crate) fn reset(connection: impl AsFd) {
-    let _ = socket2::SockRef::from(&connection).set_linger(Some(Duration::ZERO));
 }
 
 /// Where a captured connection was going, and where it goes instead;
