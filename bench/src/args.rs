@@ -211,6 +211,8 @@ pub struct NodeFleetArgs {
     /// and as many straight to the stand-in, from the start.
     #[arg(long, default_value_t = 0)]
     pub probes: usize,
+    /// Where the fleet writes the port of its control listener (bound
+    /// before any agent takes a port of the kernel's choosing).
     #[arg(long)]
-    pub control_port: u16,
+    pub control_file: PathBuf,
 }

@@ -49,6 +49,11 @@ pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
     let pki = ClusterPki {
         dir: args.pki.clone(),
     };
+    // First, while no agent has taken ports of the kernel's choosing.
+    let control = TcpListener::bind(("127.0.0.1", 0)).await?;
+    let written = args.control_file.with_extension("tmp");
+    std::fs::write(&written, control.local_addr()?.port().to_string())?;
+    std::fs::rename(&written, &args.control_file)?;
     let pem = |what: &'static str, path: PathBuf| PemFile::new(what, path);
     let mut nodes: Vec<(FleetNode, SocketAddr)> = Vec::with_capacity(args.nodes);
     // Held: the agents run until the process is killed.
@@ -97,7 +102,6 @@ pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
         let kas = args.kas[(args.first + i) % args.kas.len()];
         tokio::spawn(watch::hold(kas, PROBE_INTERVAL, probe_direct.clone()));
     }
-    let control = TcpListener::bind(("127.0.0.1", args.control_port)).await?;
     let mut opened = false;
     loop {
         let (stream, _) = control.accept().await?;
