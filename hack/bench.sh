@@ -9,11 +9,20 @@
 # Extra arguments go to `konnectivity-bench run` (e.g. --runs 5, --idle 2000).
 # Run on Debian: bash hack/bench.sh
 #
-# bash hack/bench.sh --scale [--agents N --tunnels N]: the scale run instead
-# (konnectivity-bench scale): 1,000 agent streams into one server, 20,000
-# tunnels across them, agents authenticated by token against a stand-in
-# kube-apiserver; server memory per stream and per tunnel, dial rate under
-# that load, reconnect time after a server restart and TokenReviews spent.
+# bash hack/bench.sh --scale [--nodes N ...]: the cluster scale run instead
+# (konnectivity-bench cluster; root, for the node tunnels' SO_MARK): nodes
+# with the node role (an egress agent stream and a node tunnel each, the
+# agent's code, many per fleet process), their clients' watches through the
+# node tunnels to stand-in kube-apiservers behind control-plane agents, and
+# kube-apiserver's dials; server memory per node and per captured watch, CPU
+# per 1,000 events/s, the delay added to events and dials (idle and loaded),
+# every node back after a server restart; ends with one `scale:` line.
+#
+# bash hack/bench.sh --scale-egress [--agents N --tunnels N]: the egress-only
+# scale run (konnectivity-bench scale): 1,000 agent streams into one server,
+# 20,000 tunnels across them, agents authenticated by token against a
+# stand-in kube-apiserver; server memory per stream and per tunnel, dial rate
+# under that load, reconnect time after a server restart, TokenReviews spent.
 #
 # bash hack/bench.sh --handover: the node agent replaced five times under
 # 200 connections a second (TLS + a request each) from a node and a pod of
@@ -76,6 +85,11 @@ work=$(mktemp -d /tmp/konnectivity-bench.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 hack/gen-certs.sh "$work/certs"
 if [[ "${1:-}" == "--scale" ]]; then
+  shift
+  target/release/konnectivity-bench cluster --bin-dir target/release --work "$work/cluster" "$@"
+  exit
+fi
+if [[ "${1:-}" == "--scale-egress" ]]; then
   shift
   target/release/konnectivity-bench scale --bin-dir target/release --certs "$work/certs" --work "$work/scale" "$@"
   exit

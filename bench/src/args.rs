@@ -181,6 +181,11 @@ pub struct ClusterArgs {
     /// straight to the stand-in, for the delays with the fleet idle.
     #[arg(long, default_value_t = 20)]
     pub probes: usize,
+    /// Runs proxy-server under this program (e.g. heaptrack, with a server
+    /// built without mimalloc, whose allocations heaptrack cannot see); the
+    /// server's own memory and CPU figures are then the wrapper's.
+    #[arg(long)]
+    pub server_wrapper: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug, Clone)]

@@ -43,6 +43,8 @@ const HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
 /// The proxy-server under test.
 struct ClusterServer {
     proc: Proc,
+    /// `--server-wrapper`.
+    wrapper: Option<PathBuf>,
     args: Vec<String>,
     health: u16,
     agent_port: u16,
@@ -83,14 +85,10 @@ impl ClusterServer {
             "--health-bind-address=127.0.0.1".to_owned(),
             format!("--admin-port={}", stack::free_port()?),
         ];
-        let proc = stack::spawn(
-            layout,
-            "proxy-server",
-            &layout.bin_dir.join("proxy-server"),
-            &flags,
-        )?;
+        let proc = spawn_server(layout, "proxy-server", args.server_wrapper.as_deref(), &flags)?;
         Ok(ClusterServer {
             proc,
+            wrapper: args.server_wrapper.clone(),
             args: flags,
             health,
             agent_port,
@@ -102,10 +100,10 @@ impl ClusterServer {
     /// SIGKILL, and the same server started again on the same ports.
     fn restart(&mut self, layout: &Layout) -> anyhow::Result<()> {
         self.proc.kill_now();
-        self.proc = stack::spawn(
+        self.proc = spawn_server(
             layout,
             "proxy-server-restarted",
-            &layout.bin_dir.join("proxy-server"),
+            self.wrapper.as_deref(),
             &self.args,
         )?;
         Ok(())
@@ -123,6 +121,24 @@ impl ClusterServer {
         tokio::time::sleep(Duration::from_secs(3)).await;
         let heap = self.metric(HEAP).await.context("the server's heap metric")?;
         Ok((self.proc.resident_bytes()? as f64, heap))
+    }
+}
+
+/// proxy-server with `flags`, under `wrapper` if given.
+fn spawn_server(
+    layout: &Layout,
+    name: &str,
+    wrapper: Option<&std::path::Path>,
+    flags: &[String],
+) -> anyhow::Result<Proc> {
+    let server = layout.bin_dir.join("proxy-server");
+    match wrapper {
+        Some(wrapper) => {
+            let mut wrapped = vec![server.display().to_string()];
+            wrapped.extend(flags.iter().cloned());
+            stack::spawn(layout, name, wrapper, &wrapped)
+        }
+        None => stack::spawn(layout, name, &server, flags),
     }
 }
 
@@ -517,9 +533,17 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         )
     };
     let (rss_node, heap_node) = per_node(with_nodes, bare);
+    // Zero watches (a run of the nodes alone) cost nothing per watch.
+    let per_watch = |bytes: f64| {
+        if watches == 0 {
+            0.0
+        } else {
+            kib(bytes / watches as f64)
+        }
+    };
     let (rss_watch, heap_watch) = (
-        kib((with_watches.0 - with_nodes.0) / watches as f64),
-        kib((with_watches.1 - with_nodes.1) / watches as f64),
+        per_watch(with_watches.0 - with_nodes.0),
+        per_watch(with_watches.1 - with_nodes.1),
     );
     let added_idle = idle.probe_node.minus(idle.probe_direct);
     let added_loaded = loaded.probe_node.minus(loaded.probe_direct);
