@@ -307,7 +307,7 @@ impl AgentServer {
             writer,
         };
         session
-            .send(Takeover::Resume(attachment))
+            .send(Takeover::Resume(Box::new(attachment)))
             .await
             .map_err(|_| gone())?;
         let writer = answer.await.map_err(|_| gone())?;

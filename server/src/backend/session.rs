@@ -203,7 +203,7 @@ impl Session {
             let step = tokio::select! {
                 biased;
                 Some(command) = commands.recv() => self.on_command(command).await,
-                Some(attachment) = next_attachment => return Served::Superseded(attachment),
+                Some(attachment) = next_attachment => return Served::Superseded(*attachment),
                 packet = inbound.next() => match packet {
                     Some(Ok(packet)) => self.on_packet(packet).await,
                     Some(Err(status)) => {
@@ -266,7 +266,7 @@ impl Session {
                     }
                 },
                 takeover = resume.ticket.attachments.recv() => match takeover {
-                    Some(Takeover::Resume(attachment)) => return Detached::Resumed(attachment),
+                    Some(Takeover::Resume(attachment)) => return Detached::Resumed(*attachment),
                     Some(Takeover::Restarted) => return Detached::Restarted,
                     None => return Detached::TimedOut,
                 },

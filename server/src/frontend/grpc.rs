@@ -248,7 +248,7 @@ pub async fn resume_client_stream(
         answer,
     };
     session
-        .send(Takeover::Resume(attachment))
+        .send(Takeover::Resume(Box::new(attachment)))
         .await
         .map_err(|_| gone())?;
     let (writer, server_received) = answered.await.map_err(|_| gone())??;
@@ -527,7 +527,7 @@ impl ClientStream {
                         // polled again until the next packet came.
                         Some(takeover) = resume.ticket.attachments.recv() => {
                             if let Takeover::Resume(attachment) = takeover
-                                && let Some(packets) = resume.attach(connect_id, attachment)
+                                && let Some(packets) = resume.attach(connect_id, *attachment)
                             {
                                 inbound.resumed(packets);
                             }
@@ -683,7 +683,7 @@ impl ClientStream {
                 // As in the relay: matched in full, `Restarted` ignored.
                 Some(takeover) = resume.ticket.attachments.recv() => {
                     if let Takeover::Resume(attachment) = takeover
-                        && let Some(packets) = resume.attach(connect_id, attachment)
+                        && let Some(packets) = resume.attach(connect_id, *attachment)
                     {
                         inbound.resumed(packets);
                         let _ = outbound.send(close()).await;

@@ -84,7 +84,7 @@ impl StreamResume {
             let takeover = tokio::time::timeout_at(deadline, self.ticket.attachments.recv()).await;
             match takeover {
                 Ok(Some(Takeover::Resume(attachment))) => {
-                    if let Some(packets) = self.attach(connect_id, attachment) {
+                    if let Some(packets) = self.attach(connect_id, *attachment) {
                         self.metrics.duration.observe(lost_at.elapsed().as_secs_f64());
                         return Some(packets);
                     }
