@@ -134,7 +134,7 @@ pub fn resume_handshake(data: &[u8]) {
                 writer,
             };
             attach
-                .send(Takeover::Resume(attachment))
+                .send(Takeover::Resume(Box::new(attachment)))
                 .await
                 .expect("the session waits for a resume");
             let mut writer = tokio::time::timeout(DEADLINE, answer)
