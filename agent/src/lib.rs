@@ -282,7 +282,10 @@ async fn serve(
             Some((health, admin))
         }
     };
-    let alpn: Vec<&[u8]> = config.alpn.iter().map(|proto| proto.as_bytes()).collect();
+    // Beside h2 (and --alpn-proto), the protocol by which a server of ours
+    // says PINGs are welcome (konnectivity_proto::ALPN_PINGS).
+    let mut alpn: Vec<&[u8]> = config.alpn.iter().map(|proto| proto.as_bytes()).collect();
+    alpn.push(konnectivity_proto::ALPN_PINGS);
     let tls = tls::client_config(config.ca_cert.as_ref(), config.identity.as_ref(), &alpn)?;
     let target = ServerTarget {
         host: config.server_host.clone(),
@@ -292,6 +295,7 @@ async fn serve(
         identifiers: config.identifiers.clone(),
         mark: config.node.as_ref().map(|node| node.mark),
         keepalive: config.keepalive,
+        probe_interval: config.probe_interval,
         token_path: config.token_path.clone(),
         resolved: None,
         resume: !config.resume_timeout.is_zero(),

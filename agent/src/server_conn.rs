@@ -45,6 +45,8 @@ pub(crate) enum ConnectError {
         address: String,
         source: tonic::transport::Error,
     },
+    #[error("connecting to proxy-server {address}: {source}")]
+    Dial { address: String, source: io::Error },
     #[error("proxy-server {address} refused the agent stream: {status}")]
     Refused { address: String, status: tonic::Status },
     #[error("proxy-server {address} ({server_id}) refused to resume the agent's lost stream: {}", status.message())]
@@ -82,6 +84,9 @@ pub(crate) struct ServerTarget {
     /// HTTP/2 ping interval (`--keepalive-time`); an unanswered ping ends the
     /// connection, so a half-dead server is left for a reconnect.
     pub keepalive: Option<Duration>,
+    /// `--probe-interval`: how a server of ours is watched, by PINGs when
+    /// it negotiated [`konnectivity_proto::ALPN_PINGS`], else by probes.
+    pub probe_interval: Duration,
     /// `--service-account-token-path`, read afresh for every stream.
     pub token_path: Option<PathBuf>,
     /// `--resume-timeout` is not zero: offer resume (docs/resume.md).
@@ -109,6 +114,9 @@ pub(crate) struct ServerStream {
     pub resumed: bool,
     /// The connection the stream runs on, for probes.
     pub channel: Channel,
+    /// The connection is watched by PINGs every `--probe-interval`: the
+    /// server negotiated [`konnectivity_proto::ALPN_PINGS`].
+    pub pinged: bool,
 }
 
 /// A stream's request body: the packets of the writer its session hands
@@ -189,7 +197,7 @@ impl ServerTarget {
                 }
             }
         }
-        let channel = self.dial().await?;
+        let (channel, pinged) = self.dial().await?;
         let negotiated = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (body, packets) = deferred_body(metrics.clone(), negotiated.clone());
         let response = match self.call(&channel, metadata, packets, HEADERS_TIMEOUT).await {
@@ -233,6 +241,7 @@ impl ServerTarget {
             inbound: response.into_inner(),
             body,
             channel,
+            pinged,
         })
     }
 
@@ -251,14 +260,24 @@ impl ServerTarget {
         })
     }
 
-    /// TCP, TLS and HTTP/2 to the server's address.
-    async fn dial(&self) -> Result<Channel, ConnectError> {
+    /// TCP, TLS and HTTP/2 to the server's address; and whether the
+    /// connection is watched by PINGs every `--probe-interval`, which the
+    /// TLS handshake tells (ALPN) before HTTP/2 is set up.
+    async fn dial(&self) -> Result<(Channel, bool), ConnectError> {
         let address = self.address();
-        let host = self.host.clone();
-        let port = self.port;
-        let mark = self.mark;
-        let resolved = self.resolved;
-        let connector = TlsConnector::from(self.tls.clone());
+        let first = tokio::time::timeout(CONNECT_TIMEOUT, self.tls_connection())
+            .await
+            .unwrap_or_else(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no TCP and TLS connection within {CONNECT_TIMEOUT:?}"),
+                ))
+            })
+            .map_err(|source| ConnectError::Dial {
+                address: address.clone(),
+                source,
+            })?;
+        let pinged = first.get_ref().1.alpn_protocol() == Some(konnectivity_proto::ALPN_PINGS);
         // The URI only fills :authority; the connector below does the dialing.
         let authority = match self.host.contains(':') {
             true => format!("[{}]:{}", self.host.trim_matches(['[', ']']), self.port),
@@ -273,44 +292,69 @@ impl ServerTarget {
             .initial_stream_window_size(Some(8 * 1024 * 1024))
             .initial_connection_window_size(Some(16 * 1024 * 1024))
             .max_frame_size(Some(konnectivity_proto::H2_MAX_FRAME_SIZE));
-        let endpoint = match self.keepalive {
-            // Pings even while no tunnel is open: the stream itself must stay alive.
-            Some(interval) => endpoint
+        // Pings even while no tunnel is open: the stream itself must stay
+        // alive. A server that welcomes them is pinged every probe interval
+        // (or --keepalive-time, if shorter), and given the probe's 5 s.
+        let pings = match (pinged, self.keepalive) {
+            (true, keepalive) => Some((
+                keepalive.map_or(self.probe_interval, |interval| interval.min(self.probe_interval)),
+                PROBE_TIMEOUT,
+            )),
+            (false, Some(interval)) => {
+                Some((interval, konnectivity_plumbing::net::keepalive_timeout(interval)))
+            }
+            (false, None) => None,
+        };
+        let endpoint = match pings {
+            Some((interval, timeout)) => endpoint
                 .http2_keep_alive_interval(interval)
-                .keep_alive_timeout(konnectivity_plumbing::net::keepalive_timeout(interval))
+                .keep_alive_timeout(timeout)
                 .keep_alive_while_idle(true),
             None => endpoint,
         };
-        endpoint
+        // HTTP/2 runs on the connection just made; should the channel
+        // need another (it dials again for a call after its connection
+        // failed), it makes one the same way.
+        let first = Arc::new(std::sync::Mutex::new(Some(first)));
+        let target = self.clone();
+        let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: Uri| {
-                let host = host.clone();
-                let connector = connector.clone();
+                let first = first
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take();
+                let target = target.clone();
                 async move {
-                    let name = konnectivity_client::net::server_name(&host)?;
-                    let tcp = match resolved {
-                        Some(addr) => {
-                            konnectivity_client::net::connect_marked(
-                                &addr.ip().to_string(),
-                                addr.port(),
-                                mark,
-                            )
-                            .await?
-                        }
-                        None => {
-                            konnectivity_client::net::connect_marked(
-                                host.trim_matches(['[', ']']),
-                                port,
-                                mark,
-                            )
-                            .await?
-                        }
+                    let tls = match first {
+                        Some(tls) => tls,
+                        None => target.tls_connection().await?,
                     };
-                    let tls = connector.connect(name, tcp).await?;
                     Ok::<_, io::Error>(TokioIo::new(tls))
                 }
             }))
             .await
-            .map_err(|source| ConnectError::Transport { address, source })
+            .map_err(|source| ConnectError::Transport { address, source })?;
+        Ok((channel, pinged))
+    }
+
+    /// TCP (marked, to the resolved address if there is one) and TLS.
+    async fn tls_connection(&self) -> io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+        let name = konnectivity_client::net::server_name(&self.host)?;
+        let tcp = match self.resolved {
+            Some(addr) => {
+                konnectivity_client::net::connect_marked(&addr.ip().to_string(), addr.port(), self.mark)
+                    .await?
+            }
+            None => {
+                konnectivity_client::net::connect_marked(
+                    self.host.trim_matches(['[', ']']),
+                    self.port,
+                    self.mark,
+                )
+                .await?
+            }
+        };
+        TlsConnector::from(self.tls.clone()).connect(name, tcp).await
     }
 
     /// The metadata of every stream we open: identity, identifiers, the

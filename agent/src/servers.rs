@@ -701,10 +701,17 @@ fn attached(
     probe_interval: Duration,
     reports: &mpsc::UnboundedSender<Report>,
 ) -> session::Attached {
+    // A connection watched by PINGs (ours, negotiated by ALPN) fails its
+    // stream by itself when they go unanswered; its probes only ask, now and
+    // then, for the server's count and whether its service still answers.
+    let every = match stream.pinged {
+        true => PINGED_PROBE_INTERVAL.max(probe_interval),
+        false => probe_interval,
+    };
     let probe = stream.extensions.flow_control().then(|| Probe {
         target: target.clone(),
         channel: stream.channel.clone(),
-        every: probe_interval,
+        every,
     });
     let reports = reports.clone();
     session::Attached {
@@ -713,6 +720,12 @@ fn attached(
         lost: Box::pin(async move { watch_server(probe, &reports).await }),
     }
 }
+
+/// How often a connection watched by PINGs is also probed by a stream. A
+/// probe stream costs the server a request, its headers and its
+/// authentication: once a second at 5,000 agents it took half a CPU of the
+/// server in `hack/bench.sh --scale` (README, "Scale").
+const PINGED_PROBE_INTERVAL: Duration = Duration::from_secs(30);
 
 /// How to probe one held connection.
 struct Probe {

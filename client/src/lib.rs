@@ -26,4 +26,4 @@ mod stream;
 mod tunnel;
 
 pub use stream::TunnelStream;
-pub use tunnel::{ConnectError, DialError, Tunnel, dial_response};
+pub use tunnel::{ConnectError, DialError, Pings, Tunnel, dial_response};

@@ -13,6 +13,7 @@ use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::Streaming;
 use tonic::metadata::{AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint, Uri};
@@ -51,6 +52,22 @@ pub enum DialError {
 pub struct Tunnel {
     client: ProxyServiceClient<Channel>,
     dial_timeout: Duration,
+    /// Cancelled when the connection the tunnel was made with is over.
+    closed: CancellationToken,
+}
+
+/// HTTP/2 PINGs that watch a connection: one is sent whenever `interval`
+/// passes without a frame from the server, streams open or not, and one
+/// unanswered for `timeout` closes the connection and fails its streams.
+/// The server's HTTP/2 layer answers a PING without a stream or a task of
+/// the application: it is the cheapest sign of life a connection can ask
+/// for (a probe stream costs the server a request, its headers and its
+/// authentication). Our servers welcome them at any rate; gRPC servers in
+/// Go (upstream's) close a connection pinged more often than every 30 s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pings {
+    pub interval: Duration,
+    pub timeout: Duration,
 }
 
 fn endpoint() -> Endpoint {
@@ -65,13 +82,16 @@ impl Tunnel {
     /// Connects over a Unix socket (`--uds-name` of the server).
     pub async fn connect_uds(path: impl AsRef<Path>) -> Result<Tunnel, ConnectError> {
         let path = path.as_ref().to_owned();
+        let closed = CancellationToken::new();
+        let first = FirstConnection::new(&closed);
         let channel = endpoint()
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let path = path.clone();
-                async move { Ok::<_, io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+                let first = first.clone();
+                async move { Ok::<_, io::Error>(TokioIo::new(first.watch(UnixStream::connect(path).await?))) }
             }))
             .await?;
-        Ok(Tunnel::new(channel))
+        Ok(Tunnel::new(channel, closed))
     }
 
     /// Connects over TCP with TLS; `tls` should carry a client certificate,
@@ -86,16 +106,16 @@ impl Tunnel {
 
     /// As [`Tunnel::connect_tls`], with `SO_MARK` on the TCP socket so that
     /// a node agent's own capture rules skip it (needs CAP_NET_ADMIN), and
-    /// HTTP/2 pings every `keepalive` while streams are open: a connection
-    /// whose pings go unanswered for as long again fails its streams, which
-    /// is how a client that resumes them learns of a silent link (without
-    /// pings, a stream only waiting for data would wait forever).
+    /// with `pings` watching it: a connection whose pings go unanswered
+    /// fails its streams, which is how a client that resumes them learns of
+    /// a silent link (without pings, a stream only waiting for data would
+    /// wait forever), and [`Tunnel::closed`] says it is over.
     pub async fn connect_tls_marked(
         host: &str,
         port: u16,
         tls: Arc<rustls::ClientConfig>,
         mark: Option<u32>,
-        keepalive: Option<Duration>,
+        pings: Option<Pings>,
     ) -> Result<Tunnel, ConnectError> {
         let mut tls = (*tls).clone();
         tls.alpn_protocols = vec![b"h2".to_vec()];
@@ -103,28 +123,41 @@ impl Tunnel {
         let name = crate::net::server_name(host).map_err(|_| ConnectError::ServerName(host.to_owned()))?;
         let host = host.trim_matches(['[', ']']).to_owned();
         let mut endpoint = endpoint();
-        if let Some(interval) = keepalive {
+        if let Some(pings) = pings {
             endpoint = endpoint
-                .http2_keep_alive_interval(interval)
-                .keep_alive_timeout(interval);
+                .http2_keep_alive_interval(pings.interval)
+                .keep_alive_timeout(pings.timeout)
+                .keep_alive_while_idle(true);
         }
+        let closed = CancellationToken::new();
+        let first = FirstConnection::new(&closed);
         let channel = endpoint
             .connect_with_connector(tower::service_fn(move |_: Uri| {
                 let (connector, name, host) = (connector.clone(), name.clone(), host.clone());
+                let first = first.clone();
                 async move {
                     let tcp = crate::net::connect_marked(&host, port, mark).await?;
-                    Ok::<_, io::Error>(TokioIo::new(connector.connect(name, tcp).await?))
+                    Ok::<_, io::Error>(TokioIo::new(first.watch(connector.connect(name, tcp).await?)))
                 }
             }))
             .await?;
-        Ok(Tunnel::new(channel))
+        Ok(Tunnel::new(channel, closed))
     }
 
-    fn new(channel: Channel) -> Tunnel {
+    fn new(channel: Channel, closed: CancellationToken) -> Tunnel {
         Tunnel {
             client: ProxyServiceClient::new(channel),
             dial_timeout: Duration::from_secs(30),
+            closed,
         }
+    }
+
+    /// Resolves once the connection this tunnel was made with is over: the
+    /// server closed it, it failed, or its [`Pings`] went unanswered. (The
+    /// channel under a tunnel dials again for the next stream; a caller that
+    /// watches a connection replaces the tunnel instead.)
+    pub async fn closed(&self) {
+        self.closed.cancelled().await;
     }
 
     /// How long [`Tunnel::dial`] waits for the DIAL_RSP (default 30 s, the
@@ -256,5 +289,31 @@ impl Drop for CancelOnDrop<'_> {
                 .into(),
             );
         }
+    }
+}
+
+/// Hands the first connection a channel makes the token that says when it
+/// is over; connections the channel dials later are not watched.
+#[derive(Clone)]
+struct FirstConnection {
+    closed: Arc<std::sync::Mutex<Option<CancellationToken>>>,
+}
+
+impl FirstConnection {
+    fn new(closed: &CancellationToken) -> FirstConnection {
+        FirstConnection {
+            closed: Arc::new(std::sync::Mutex::new(Some(closed.clone()))),
+        }
+    }
+
+    fn watch<T>(&self, io: T) -> crate::net::Watched<T> {
+        let token = self
+            .closed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+            // A later connection: a token nobody waits on.
+            .unwrap_or_default();
+        crate::net::Watched::new(io, &token)
     }
 }

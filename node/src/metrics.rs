@@ -22,7 +22,7 @@ pub enum CaptureOutcome {
 pub struct NodeMetrics {
     /// Captured connections being tunneled now.
     pub captured_connections_open: Gauge,
-    /// Whether the node tunnel answers its probes.
+    /// Whether the node tunnel is connected and answers (PINGs, probes).
     pub node_tunnel_up: Gauge,
     captured: Family<Labels, GoCounter>,
     handover: Family<Labels, GoCounter>,
@@ -50,7 +50,7 @@ impl NodeMetrics {
         register(
             registry,
             "node_tunnel_up",
-            "1 while the node tunnel to the server's node frontend answers its probes, 0 while it does not (node role).",
+            "1 while the node tunnel to the server's node frontend is connected and answers (its HTTP/2 PINGs, and a probe stream every 30 s), 0 while it does not (node role).",
             metrics.node_tunnel_up.clone(),
         );
         register(

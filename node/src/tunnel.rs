@@ -1,5 +1,5 @@
 //! The node tunnel: one connection to the server's node frontend, kept
-//! and probed for as long as the agent runs; and, behind one address with
+//! and watched for as long as the agent runs; and, behind one address with
 //! several servers, connections of their own to the server a captured
 //! connection's stream lives at ([`ServerTunnels`]).
 
@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use konnectivity_client::Tunnel;
+use konnectivity_client::{Pings, Tunnel};
 use konnectivity_plumbing::backoff::Backoff;
 use tokio::sync::watch;
 
@@ -16,24 +16,34 @@ use crate::metrics::NodeMetrics;
 use crate::readiness::NodeReadiness;
 use crate::settings::NodeSettings;
 
-/// How often the node tunnel is probed, and how long an answer may take:
-/// a tunnel that stops answering is reported within about 3 s.
-const TUNNEL_PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// How the node tunnel is watched: a PING after every second without a
+/// frame from the server, answered within 2 s, so that a tunnel that stops
+/// answering is reported within about 3 s; a captured connection's stream on
+/// a silent link fails as soon, and resumes on a new tunnel (docs/resume.md).
+/// At 5,000 nodes that is 5,000 PINGs a second at the server, which its
+/// HTTP/2 layer answers; a probe stream each would cost it ten times more.
+const TUNNEL_PINGS: Pings = Pings {
+    interval: Duration::from_secs(1),
+    timeout: Duration::from_secs(2),
+};
+/// How long a probe stream may take: at connect, and every
+/// [`TUNNEL_SERVICE_PROBE_INTERVAL`] on a connection whose PINGs answer.
 const TUNNEL_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-/// How often the node tunnel pings the server while streams are open: a
-/// captured connection's stream on a silent link fails within twice this,
-/// and the connection resumes on a new tunnel (docs/resume.md).
-const TUNNEL_KEEPALIVE: Duration = Duration::from_secs(5);
+/// How often a connection that answers its PINGs is also asked by a probe
+/// stream whether the node frontend's service still admits the node (a
+/// PING only says the server's HTTP/2 layer runs).
+const TUNNEL_SERVICE_PROBE_INTERVAL: Duration = Duration::from_secs(30);
 /// The longest wait between reconnection attempts of the node tunnel.
 const TUNNEL_RETRY_CAP: Duration = Duration::from_secs(3);
 
 /// Keeps the node tunnel for as long as the agent runs, so that readiness
 /// follows it: new captured connections are reset while it is down
 /// (established ones wait to resume on the next connection), and `/readyz`
-/// says so. The tunnel is probed every second; one that stops
-/// answering is replaced by a new connection (the old one's TCP connection
-/// may sit in retransmission backoff long after the path is back), retried
-/// with the agent's backoff, capped so recovery is seen within seconds.
+/// says so. The tunnel is watched by PINGs ([`TUNNEL_PINGS`]) and now and
+/// then by a probe stream; one that closes or stops answering is replaced
+/// by a new connection (the old one's TCP connection may sit in
+/// retransmission backoff long after the path is back), retried with the
+/// agent's backoff, capped so recovery is seen within seconds.
 pub(crate) async fn keep_tunnel(
     settings: NodeSettings,
     tunnel: watch::Sender<Option<Tunnel>>,
@@ -48,10 +58,16 @@ pub(crate) async fn keep_tunnel(
     loop {
         let was_up = readiness.tunnel_connected.load(Ordering::Relaxed);
         let answer = match &current {
-            Some(connected) => connected
-                .probe(TUNNEL_PROBE_TIMEOUT)
-                .await
-                .map_err(|e| e.to_string()),
+            Some(connected) => tokio::select! {
+                () = connected.closed() => Err(format!(
+                    "the connection closed (the server ended it, or its pings went unanswered for {:?})",
+                    TUNNEL_PINGS.timeout
+                )),
+                answer = async {
+                    tokio::time::sleep(TUNNEL_SERVICE_PROBE_INTERVAL).await;
+                    connected.probe(TUNNEL_PROBE_TIMEOUT).await.map_err(|e| e.to_string())
+                } => answer,
+            },
             None => Err("not connected".to_owned()),
         };
         let answer = match answer {
@@ -82,7 +98,6 @@ pub(crate) async fn keep_tunnel(
                 }
                 readiness.tunnel_answered(&metrics);
                 backoff.reset();
-                tokio::time::sleep(TUNNEL_PROBE_INTERVAL).await;
             }
             Err(problem) => {
                 if current.is_none() {
@@ -111,7 +126,7 @@ async fn connect_tunnel(settings: &NodeSettings) -> Result<(Tunnel, Option<Strin
         settings.node_frontend_port,
         settings.tls.clone(),
         Some(settings.mark),
-        Some(TUNNEL_KEEPALIVE),
+        Some(TUNNEL_PINGS),
     );
     let connected = match tokio::time::timeout(TUNNEL_PROBE_TIMEOUT, connect).await {
         Ok(Ok(connected)) => connected.with_dial_timeout(Duration::from_secs(10)),

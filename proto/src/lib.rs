@@ -83,6 +83,16 @@ pub const MAX_GRPC_MESSAGE: usize = 4 * 1024 * 1024;
 /// `hack/bench.sh`) and stay far below [`MAX_GRPC_MESSAGE`].
 pub const DATA_CHUNK: usize = 256 * 1024;
 
+/// The ALPN protocol our servers' agent listener prefers to `h2`: HTTP/2
+/// all the same, and the server's word that its client may PING the
+/// connection as often as it likes. Agents offer it beside `h2`; one that
+/// negotiates it watches the connection by PINGs every `--probe-interval`
+/// rather than by probe streams. Without it (upstream's server, an older
+/// one of ours, anything between that ends TLS) the agent pings no more
+/// than `--keepalive-time` asks: gRPC servers in Go close a connection
+/// pinged more often than every 30 s (ENHANCE_YOUR_CALM, "too_many_pings").
+pub const ALPN_PINGS: &[u8] = b"konnectivity-rs.h2-pings";
+
 /// The largest HTTP/2 frame we accept (SETTINGS_MAX_FRAME_SIZE), on every
 /// gRPC connection we serve or open. The protocol default of 16 KiB splits
 /// each DATA packet into many frames; peers may use less.

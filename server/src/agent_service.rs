@@ -177,6 +177,7 @@ impl AgentService for AgentServer {
         if probe {
             // An agent checking the connection and the server count: the
             // headers are the answer; nothing is registered.
+            self.metrics.agent_probes.inc();
             let empty = futures_util::stream::empty();
             return Ok(self.with_headers(
                 Response::new(Box::pin(empty) as Self::ConnectStream),

@@ -73,7 +73,8 @@ async fn agent_server(
     let tls = tls::server_config(
         &config.agent_identity,
         config.agent_client_ca.as_ref(),
-        &[b"h2"],
+        // Ours first: rustls picks by the server's order (docs/protocol.md).
+        &[konnectivity_proto::ALPN_PINGS, b"h2"],
         &config.tls_offer,
     )?;
     let streams = tls_incoming(listener, tls, "agent", None);

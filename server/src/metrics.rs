@@ -90,6 +90,8 @@ pub struct ServerMetrics {
     /// node; and the nodes with streams open.
     node_streams: Family<Labels, GoCounter>,
     node_frontend_nodes: Gauge,
+    /// Ours: probe streams of agents answered.
+    pub agent_probes: GoCounter,
     dial_failures: Family<Labels, GoCounter>,
     /// The lease garbage collector's (`--enable-lease-controller`): expired
     /// Leases it deleted, and its list and delete calls by outcome.
@@ -129,6 +131,7 @@ impl Default for ServerMetrics {
             identifier_claims: Family::default(),
             node_streams: Family::default(),
             node_frontend_nodes: Gauge::default(),
+            agent_probes: GoCounter::default(),
             dial_failures: Family::default(),
             culled_leases: GoCounter::default(),
             lease_delete_latency: Family::new_with_constructor(|| Histogram::new(DEFAULT_BUCKETS)),
@@ -279,6 +282,12 @@ impl Default for ServerMetrics {
                 "node_frontend_streams_total",
                 "Node tunnel streams opened on the node frontend, by identity: node (the client certificate names its node, system:node:NAME) or no_node.",
                 metrics.node_streams.clone(),
+            );
+            register(
+                registry,
+                "agent_probes_total",
+                "Probe streams of agents answered: an agent of ours checking a connection that is not watched by HTTP/2 PINGs, or asking for the server count; nothing is registered.",
+                metrics.agent_probes.clone(),
             );
             register(
                 registry,

@@ -174,6 +174,17 @@ async fn node_readiness_follows_the_node_tunnel() {
     let up = "konnectivity_network_proxy_agent_node_tunnel_up";
     assert_eq!(topology.node.metric(NODE_AGENT_HEALTH, up), Some(1.0));
 
+    // An idle tunnel is watched by HTTP/2 PINGs, which open no stream at the
+    // server: a probe stream each second would be three more by the end.
+    let streams = r#"konnectivity_network_proxy_server_node_frontend_streams_total{identity="node"}"#;
+    let before = topology.control_plane.metric(SERVER_HEALTH, streams);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        topology.control_plane.metric(SERVER_HEALTH, streams),
+        before,
+        "no probe stream on an idle node tunnel"
+    );
+
     // Cut the node tunnel alone (the agent's own stream to the agent port
     // stays up): the node namespace drops everything to the node frontend.
     let cut = topology.node.sh(&format!(

@@ -40,6 +40,12 @@ pub fn grpc_go_client() -> Option<PathBuf> {
     go_program("kas_client", "google.golang.org/grpc")
 }
 
+/// tests/go/agent_server.go: an AgentService server on grpc-go with the
+/// keepalive enforcement upstream's proxy-server sets on its agent listener.
+pub fn grpc_go_agent_server() -> Option<PathBuf> {
+    go_program("agent_server", "google.golang.org/grpc")
+}
+
 /// Debian's Go toolchain, for `go tool pprof`.
 pub fn go_toolchain() -> Option<PathBuf> {
     match Command::new("go").arg("version").output() {
