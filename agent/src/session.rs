@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use konnectivity_mux::outbound::{Ahead, Outbound, Writer};
+use konnectivity_mux::outbound::{Ahead, Outbound, SessionSendError, Writer};
 use konnectivity_mux::{Connections, Delivery, Extensions};
 use konnectivity_node::handoff::{Carried, HandOff};
 use konnectivity_node::sessions::{EndpointState, HandedEndpoint, HandedSession, SessionState};
@@ -190,8 +190,14 @@ struct Handshake {
     lost_at: Instant,
 }
 
-/// The outbound queue to the server is gone: the stream has ended.
-struct StreamGone;
+/// Why the session could not queue a packet for the server.
+enum StreamGone {
+    /// The queue is closed: the session has ended.
+    Closed,
+    /// The stream's writer is gone and the queue full: the stream was lost
+    /// (its connection died) and only reading it would have said so.
+    Lost,
+}
 
 /// An endpoint to start: a dialed one, or one handed over.
 struct StartEndpoint {
@@ -630,7 +636,7 @@ impl Session {
                 _ => None,
             };
             let step = tokio::select! {
-                () = &mut asked, if *handing == Handing::Idle => {
+                () = &mut asked, if *handing == Handing::Idle && self.handshake.is_none() => {
                     *handing = Handing::Settling { check_at: tokio::time::Instant::now() + SETTLE };
                     match drained {
                         true => Ok(()),
@@ -647,9 +653,12 @@ impl Session {
                     *handing = Handing::Settling { check_at: tokio::time::Instant::now() + Duration::from_millis(10) };
                     Ok(())
                 }
-                Some(dialed) = dialed_rx.recv() => self.on_dialed(dialed).await,
-                Some(closed) = closed_rx.recv() => self.on_endpoint_closed(closed).await,
-                () = &mut drain_signaled, if !drained => {
+                // Not during a resume's handshake: the queue opens only once
+                // the server's RESUME list is read, and a packet waiting for
+                // room in it would keep that list from ever being read.
+                Some(dialed) = dialed_rx.recv(), if self.handshake.is_none() => self.on_dialed(dialed).await,
+                Some(closed) = closed_rx.recv(), if self.handshake.is_none() => self.on_endpoint_closed(closed).await,
+                () = &mut drain_signaled, if !drained && self.handshake.is_none() => {
                     drained = true;
                     self.send(Frame::Drain).await
                 }
@@ -675,11 +684,21 @@ impl Session {
                     None => return Served::Ended(StreamEnd::ServerWentAway("the server ended the stream")),
                 },
             };
-            if step.is_err() {
-                self.metrics.server_failure(ServerDirection::ToServer);
-                return Served::Ended(StreamEnd::Failed(
-                    "sending to the server failed (outbound queue closed)".to_owned(),
-                ));
+            match step {
+                Ok(()) => {}
+                Err(StreamGone::Lost) => {
+                    self.metrics.server_failure(ServerDirection::ToServer);
+                    return Served::Lost(StreamEnd::Failed(
+                        "the stream's connection is gone (its request body was dropped) with packets still to send"
+                            .to_owned(),
+                    ));
+                }
+                Err(StreamGone::Closed) => {
+                    self.metrics.server_failure(ServerDirection::ToServer);
+                    return Served::Ended(StreamEnd::Failed(
+                        "sending to the server failed (outbound queue closed)".to_owned(),
+                    ));
+                }
             }
         }
     }
@@ -804,7 +823,13 @@ impl Session {
         if self.detached {
             return Ok(());
         }
-        self.outbound.send(frame.into()).await.map_err(|_| StreamGone)
+        self.outbound
+            .send_from_session(frame.into())
+            .await
+            .map_err(|error| match error {
+                SessionSendError::Closed => StreamGone::Closed,
+                SessionSendError::StreamGone => StreamGone::Lost,
+            })
     }
 
     async fn on_packet(&mut self, packet: Packet) -> Result<(), StreamGone> {

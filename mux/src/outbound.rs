@@ -28,6 +28,17 @@ use tokio::sync::mpsc;
 #[error("the stream's session has ended")]
 pub struct QueueClosed;
 
+/// Why the session's own packet was not queued ([`Outbound::send_from_session`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SessionSendError {
+    #[error("the stream's session has ended")]
+    Closed,
+    /// The queue is full and the stream attached now is gone: its writer
+    /// was dropped (the transport ended the stream, or its connection died).
+    #[error("the stream is gone (its writer was dropped) and the queue is full")]
+    StreamGone,
+}
+
 /// The sending end producers hold.
 #[derive(Debug, Clone)]
 pub struct Outbound {
@@ -46,6 +57,10 @@ struct Shared {
     closed: std::sync::atomic::AtomicBool,
     /// The attached writer's task, woken when its stream is detached.
     writer: AtomicWaker,
+    /// The generation whose writer was dropped last, and its wake-up: the
+    /// session must not wait for room only a new stream would make.
+    dropped: AtomicU64,
+    writer_dropped: tokio::sync::Notify,
 }
 
 /// Creates a queue of `capacity` packets.
@@ -58,6 +73,8 @@ pub fn outbound(capacity: usize) -> Outbound {
             generation: AtomicU64::new(0),
             closed: std::sync::atomic::AtomicBool::new(false),
             writer: AtomicWaker::new(),
+            dropped: AtomicU64::new(0),
+            writer_dropped: tokio::sync::Notify::new(),
         }),
     }
 }
@@ -72,6 +89,34 @@ impl Outbound {
             Err(mpsc::error::TrySendError::Full(packet)) => {
                 Queueing::Waiting(Box::pin(self.queue.send(packet)))
             }
+        }
+    }
+
+    /// Queues a packet of the session itself (dial answers, closes, its
+    /// control packets): as [`Outbound::send`], except that it stops waiting
+    /// for room once the stream attached now is gone. The session reads its
+    /// stream in the same task: waiting for room in a queue whose stream is
+    /// gone, it would never read the error that tells it the stream was
+    /// lost, and every connection of the session would wait with it (the
+    /// 5,000-node run: a control-plane agent with 12,462 connections whose
+    /// connection to the server had died kept waiting, and so did the
+    /// server's session with 22,902 dials pending).
+    pub async fn send_from_session(&self, packet: Packet) -> Result<(), SessionSendError> {
+        let packet = match self.queue.try_send(packet) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(SessionSendError::Closed),
+            Err(mpsc::error::TrySendError::Full(packet)) => packet,
+        };
+        let dropped = self.shared.writer_dropped.notified();
+        tokio::pin!(dropped);
+        dropped.as_mut().enable();
+        let generation = self.shared.generation.load(Ordering::Acquire);
+        if self.shared.dropped.load(Ordering::Acquire) == generation {
+            return Err(SessionSendError::StreamGone);
+        }
+        tokio::select! {
+            sent = self.queue.send(packet) => sent.map_err(|_| SessionSendError::Closed),
+            () = dropped => Err(SessionSendError::StreamGone),
         }
     }
 
@@ -196,6 +241,16 @@ pub struct Writer {
     first: Option<mpsc::UnboundedReceiver<Option<Packet>>>,
 }
 
+impl Drop for Writer {
+    fn drop(&mut self) {
+        // Only the stream attached now matters to a waiting session.
+        if self.shared.generation.load(Ordering::Acquire) == self.generation {
+            self.shared.dropped.store(self.generation, Ordering::Release);
+            self.shared.writer_dropped.notify_waiters();
+        }
+    }
+}
+
 impl Stream for Writer {
     type Item = Packet;
 
@@ -228,6 +283,7 @@ mod tests {
     use super::*;
     use futures_util::StreamExt;
     use konnectivity_proto::ConnectId;
+    use std::time::Duration;
 
     fn close(id: i64) -> Packet {
         Frame::CloseRequest {
@@ -250,6 +306,46 @@ mod tests {
         let waiting = outbound.send(close(2));
         assert!(matches!(waiting, Queueing::Waiting(_)));
         assert!(std::mem::size_of_val(&waiting) <= 24);
+    }
+
+    /// The session's own send waits for room while its stream lives, and
+    /// gives up once the stream's writer is dropped: without that, a full
+    /// queue on a dead stream held the session forever. Connection readers'
+    /// sends keep waiting for the next stream.
+    #[tokio::test]
+    async fn the_sessions_send_stops_waiting_when_its_stream_is_gone() {
+        let outbound = outbound(1);
+        let writer = outbound.attach();
+        outbound.send(close(1)).await.unwrap();
+        let session = {
+            let outbound = outbound.clone();
+            tokio::spawn(async move { outbound.send_from_session(close(2)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!session.is_finished(), "a live stream's full queue is waited on");
+        let reader = outbound.send(close(3));
+        drop(writer);
+        let gone = tokio::time::timeout(Duration::from_secs(1), session).await;
+        assert!(
+            matches!(gone, Ok(Ok(Err(SessionSendError::StreamGone)))),
+            "{gone:?}"
+        );
+        // Once gone, at once.
+        assert_eq!(
+            outbound.send_from_session(close(4)).await,
+            Err(SessionSendError::StreamGone)
+        );
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), reader)
+                .await
+                .is_err(),
+            "a connection's reader waits for the next stream"
+        );
+        // A new stream: the session waits for room again, and gets it.
+        let mut next = outbound.attach();
+        let sending = outbound.send_from_session(close(5));
+        assert_eq!(next.next().await, Some(close(1)));
+        assert_eq!(sending.await, Ok(()));
     }
 
     #[tokio::test]

@@ -45,6 +45,9 @@ struct Session {
     peer_ended: bool,
     /// Told when the agent drains: which of its streams is chosen changes.
     registry: Arc<Registry>,
+    /// A send of the session's own found the stream gone (its response body
+    /// dropped) with the queue full: the stream was lost.
+    stream_gone: std::sync::atomic::AtomicBool,
 }
 
 struct Handshake {
@@ -101,6 +104,7 @@ pub async fn run<S>(
         handshake: None,
         peer_ended: false,
         registry: registry.clone(),
+        stream_gone: std::sync::atomic::AtomicBool::new(false),
     };
     let mut inbound: Inbound = Box::pin(inbound);
     let reason = loop {
@@ -199,10 +203,15 @@ impl Session {
                 }
             };
             // Commands first: a Dial command is always registered before the
-            // DIAL_RSP that answers it can be read.
+            // DIAL_RSP that answers it can be read. Not during a resume's
+            // handshake: the queue opens only once the agent's RESUME list is
+            // read, and a command's packet waiting for room in it would keep
+            // that list from ever being read (the 5,000-node run: three
+            // control-plane agents' sessions resumed and then sent nothing, a
+            // flood of dials queued ahead of the list).
             let step = tokio::select! {
                 biased;
-                Some(command) = commands.recv() => self.on_command(command).await,
+                Some(command) = commands.recv(), if self.handshake.is_none() => self.on_command(command).await,
                 Some(attachment) = next_attachment => return Served::Superseded(*attachment),
                 packet = inbound.next() => match packet {
                     Some(Ok(packet)) => self.on_packet(packet).await,
@@ -230,6 +239,12 @@ impl Session {
                 },
             };
             if step.is_err() {
+                if self.stream_gone.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                    return Served::Lost(
+                        "the agent's stream is gone (its response body was dropped) with packets still to send"
+                            .to_owned(),
+                    );
+                }
                 return Served::Ended("outbound queue closed".to_owned());
             }
         }
@@ -547,8 +562,19 @@ impl Session {
         self.send(Frame::CloseRequest { connect_id }).await
     }
 
+    /// The session's own packets: it reads its stream in the same task, so
+    /// it must not wait for room in the queue of a stream that is gone
+    /// ([`konnectivity_mux::outbound::Outbound::send_from_session`]).
     async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
-        self.backend.send(frame).await
+        self.backend.metrics.packet(Segment::ToAgent, frame.kind());
+        match self.backend.outbound.send_from_session(frame.into()).await {
+            Ok(()) => Ok(()),
+            Err(konnectivity_mux::outbound::SessionSendError::StreamGone) => {
+                self.stream_gone.store(true, std::sync::atomic::Ordering::Relaxed);
+                Err(BackendGone)
+            }
+            Err(konnectivity_mux::outbound::SessionSendError::Closed) => Err(BackendGone),
+        }
     }
 }
 
@@ -564,6 +590,97 @@ mod tests {
     }
 
     /// With an agent that did not negotiate flow control, a connection whose
+    /// A resumed stream's queue opens only once the agent's RESUME list is
+    /// read. Dials that come meanwhile (more than the queue holds) wait for
+    /// it: served first, the session waited for room in a queue that could
+    /// not open, never read the list, and sent nothing again (three
+    /// control-plane agents' sessions in the 5,000-node run).
+    #[tokio::test]
+    async fn a_resumed_session_reads_the_agents_resume_list_before_serving_dials() {
+        use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
+        use futures_util::StreamExt;
+        let metrics = Arc::new(ServerMetrics::default());
+        let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
+        let announced = Announced {
+            agent_id: "agent".to_owned(),
+            extensions: konnectivity_mux::Extensions::Resume,
+            ..Announced::default()
+        };
+        let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
+        let Queues { to_agent, commands } = queues;
+        let identity = PeerIdentity {
+            agent_id: "agent".to_owned(),
+            proof: "test".to_owned(),
+        };
+        let resumption = Resumption::<Attachment>::new(Duration::from_secs(60), "server-1");
+        let ticket = resumption.issue(identity.clone(), None);
+        let attach = resumption
+            .find(&[ticket.token.as_str()], &identity)
+            .unwrap()
+            .unwrap();
+        let (first_stream, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(4);
+        tokio::spawn(run(
+            backend.clone(),
+            ReceiverStream::new(inbound),
+            commands,
+            registry,
+            metrics.clone(),
+            Some(Resume {
+                ticket,
+                timeout: Duration::from_secs(60),
+            }),
+        ));
+        // The first stream is lost: its writer goes with it.
+        first_stream
+            .send(Err(tonic::Status::unavailable("connection reset")))
+            .await
+            .unwrap();
+        drop(to_agent);
+        let (agent, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(4);
+        let (writer, resumed_writer) = tokio::sync::oneshot::channel();
+        let resuming = Attachment {
+            inbound: Box::pin(ReceiverStream::new(inbound)),
+            writer,
+        };
+        assert!(attach.send(Takeover::Resume(Box::new(resuming))).await.is_ok());
+        let mut to_agent = resumed_writer.await.expect("the session takes the stream");
+
+        const DIALS: i64 = 600;
+        let mut frontends = Vec::new();
+        for n in 0..DIALS {
+            let (route, frontend, _) = konnectivity_mux::connection(konnectivity_mux::Extensions::Resume);
+            frontends.push(frontend);
+            backend
+                .command(Command::Dial {
+                    dial_id: DialId::new(n + 1),
+                    address: "10.0.0.1:80".into(),
+                    route,
+                })
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let list = Frame::Resume {
+            connections: Vec::new(),
+            last: true,
+        };
+        agent.send(Ok(list.into())).await.unwrap();
+        let mut dial_requests = 0;
+        let all = tokio::time::timeout(Duration::from_secs(5), async {
+            while dial_requests < DIALS {
+                let packet = to_agent.next().await.expect("the stream stays");
+                if matches!(Frame::try_from(packet), Ok(Frame::DialRequest { .. })) {
+                    dial_requests += 1;
+                }
+            }
+        })
+        .await;
+        assert!(
+            all.is_ok(),
+            "{dial_requests} of {DIALS} DIAL_REQs sent after the RESUME list"
+        );
+    }
+
     /// frontend stops reading holds up the agent stream, as upstream's does;
     /// `full_receive_channels` shows it while it lasts.
     #[tokio::test]
