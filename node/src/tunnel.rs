@@ -17,18 +17,22 @@ use crate::readiness::NodeReadiness;
 use crate::settings::NodeSettings;
 
 /// How the node tunnel is watched: a PING after every second without a
-/// frame from the server, answered within 2 s, so that a tunnel that stops
-/// answering is reported within about 3 s; a captured connection's stream on
+/// frame from the server, answered within 5 s, so that a tunnel that stops
+/// answering is reported within about 6 s; a captured connection's stream on
 /// a silent link fails as soon, and resumes on a new tunnel (docs/resume.md).
 /// At 5,000 nodes that is 5,000 PINGs a second at the server, which its
 /// HTTP/2 layer answers; a probe stream each would cost it ten times more.
+/// Generous, as the agent's probe timeout: a false alarm costs every
+/// captured connection of the node a resume, and with 2 s, half the nodes of
+/// the 5,000-node run (a machine saturated by 50,000 watches opening at
+/// once) replaced their tunnels, whose resumes fed the load.
 const TUNNEL_PINGS: Pings = Pings {
     interval: Duration::from_secs(1),
-    timeout: Duration::from_secs(2),
+    timeout: Duration::from_secs(5),
 };
 /// How long a probe stream may take: at connect, and every
 /// [`TUNNEL_SERVICE_PROBE_INTERVAL`] on a connection whose PINGs answer.
-const TUNNEL_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+const TUNNEL_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a connection that answers its PINGs is also asked by a probe
 /// stream whether the node frontend's service still admits the node (a
 /// PING only says the server's HTTP/2 layer runs).

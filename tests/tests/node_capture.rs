@@ -161,7 +161,7 @@ async fn a_restarted_agent_resumes_capturing_and_a_clean_shutdown_removes_the_ru
 }
 
 /// How long `/readyz` may take to follow the node tunnel, either way.
-const READINESS_BOUND: Duration = Duration::from_secs(5);
+const READINESS_BOUND: Duration = Duration::from_secs(9);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_readiness_follows_the_node_tunnel() {
