@@ -8,7 +8,7 @@
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
@@ -121,17 +121,55 @@ impl WatchStats {
 }
 
 /// Holds a watch through `addr` with events every `mean` on average,
-/// watching again (after a pause of up to a second, spread) whenever the
-/// connection ends. Runs until the task is dropped.
+/// watching again whenever the connection ends, after client-go's
+/// reflector's backoff ([`ReflectorBackoff`]). Runs until the task is
+/// dropped.
 pub async fn hold(addr: SocketAddr, mean: Duration, stats: std::sync::Arc<WatchStats>) {
-    let mut again = Intervals(now_ns() | 1);
+    let mut backoff = ReflectorBackoff::new(Intervals(now_ns() | 1));
     loop {
         if let Ok(stream) = TcpStream::connect(addr).await {
             let _ = stream.set_nodelay(true);
             watch_once(stream, mean, &stats).await;
         }
-        // client-go's reflector waits about a second before it watches again.
-        tokio::time::sleep(Duration::from_millis(200 + (again.next_unit() * 800.0) as u64)).await;
+        tokio::time::sleep(backoff.next()).await;
+    }
+}
+
+/// How long client-go's reflector waits before it lists and watches again
+/// after a watch ended: `wait.NewExponentialBackoffManager(800ms, 30s, 2m,
+/// 2.0, 1.0)`, an exponential backoff from 800 ms doubling to 30 s, each
+/// wait stretched by up to as much again at random, and back to 800 ms once
+/// two minutes passed since the last wait began. (A fixed second, which this
+/// run used first, had 50,000 clients retrying twice a second against node
+/// agents whose tunnels were still coming back after a server restart: load
+/// no kubelet makes.)
+struct ReflectorBackoff {
+    random: Intervals,
+    next: Duration,
+    last: Option<Instant>,
+}
+
+impl ReflectorBackoff {
+    const INITIAL: Duration = Duration::from_millis(800);
+    const CAP: Duration = Duration::from_secs(30);
+    const RESET_AFTER: Duration = Duration::from_secs(120);
+
+    fn new(random: Intervals) -> ReflectorBackoff {
+        ReflectorBackoff {
+            random,
+            next: Self::INITIAL,
+            last: None,
+        }
+    }
+
+    fn next(&mut self) -> Duration {
+        if self.last.is_some_and(|last| last.elapsed() > Self::RESET_AFTER) {
+            self.next = Self::INITIAL;
+        }
+        self.last = Some(Instant::now());
+        let wait = self.next.mul_f64(1.0 + self.random.next_unit());
+        self.next = (self.next * 2).min(Self::CAP);
+        wait
     }
 }
 
@@ -170,6 +208,23 @@ fn sent_stamp(line: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// 0.8–1.6 s, then doubling within its jitter up to 30–60 s.
+    #[test]
+    fn the_reflector_backoff_doubles_from_800_ms_to_30_s() {
+        let mut backoff = ReflectorBackoff::new(Intervals(7));
+        let waits: Vec<Duration> = (0..9).map(|_| backoff.next()).collect();
+        for (n, wait) in waits.iter().enumerate() {
+            let base = ReflectorBackoff::INITIAL
+                .mul_f64(2f64.powi(n as i32))
+                .min(ReflectorBackoff::CAP);
+            assert!(
+                *wait >= base && *wait <= base * 2,
+                "wait {n}: {wait:?} not in [{base:?}, {:?}]",
+                base * 2
+            );
+        }
+    }
 
     #[test]
     fn intervals_average_their_mean() {
