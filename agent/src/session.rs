@@ -1306,3 +1306,134 @@ impl Session {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+    use konnectivity_proto::{DialId, ResumeEntry};
+    use tokio_stream::wrappers::ReceiverStream;
+
+    type ServerSide = mpsc::Sender<Result<Packet, tonic::Status>>;
+
+    /// A stream as the server side of a test sees it: what it sends the
+    /// session, what the session writes, and the stream to attach.
+    fn stream() -> (ServerSide, oneshot::Receiver<Writer>, Attached) {
+        let (server, inbound) = mpsc::channel(1024);
+        let (body, writer) = oneshot::channel();
+        let attached = Attached {
+            inbound: Box::pin(ReceiverStream::new(inbound)),
+            body,
+            lost: Box::pin(std::future::pending()),
+        };
+        (server, writer, attached)
+    }
+
+    /// A resumed stream's queue opens only once the server's RESUME list is
+    /// read. Endpoints that close meanwhile (more of them than the queue
+    /// holds) wait for it: served first, their CLOSE_RSPs filled a queue that
+    /// could not open, the session waited for room and never read the list.
+    #[tokio::test]
+    async fn a_resumed_session_reads_the_servers_resume_list_before_serving_closes() {
+        const ENDPOINTS: usize = OUTBOUND_QUEUE + 44;
+        let target = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = target.local_addr().unwrap().to_string();
+        let (accepted_tx, mut accepted) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = target.accept().await {
+                let _ = accepted_tx.send(socket);
+            }
+        });
+        let (attach, attachments) = mpsc::channel(1);
+        let settings = SessionSettings {
+            dial_timeout: Duration::from_secs(5),
+            endpoint_limit: None,
+            mark: None,
+            resume_timeout: Duration::from_secs(60),
+            stopping: None,
+            handoff: None,
+        };
+        let resume = Resume {
+            timeout: Duration::from_secs(60),
+            attachments,
+            on_lost: Box::new(|| {}),
+            handover: None,
+        };
+        let (_drain, drained) = konnectivity_plumbing::lifecycle::channel();
+        let (server, writer, first) = stream();
+        tokio::spawn(run(
+            first,
+            Extensions::Resume,
+            settings,
+            Arc::new(AgentMetrics::default()),
+            drained,
+            Some(resume),
+        ));
+        let mut to_server = writer.await.unwrap();
+        for n in 0..ENDPOINTS {
+            let dial = Frame::DialRequest {
+                protocol: "tcp".to_owned(),
+                address: address.clone().into(),
+                dial_id: DialId::new(n as i64 + 1),
+            };
+            server.send(Ok(dial.into())).await.unwrap();
+        }
+        let mut connections = Vec::new();
+        while connections.len() < ENDPOINTS {
+            if let Ok(Frame::DialResponse { result: Ok(id), .. }) =
+                Frame::try_from(to_server.next().await.unwrap())
+            {
+                connections.push(id);
+            }
+        }
+        let mut sockets = Vec::new();
+        while sockets.len() < ENDPOINTS {
+            sockets.push(accepted.recv().await.unwrap());
+        }
+
+        // The stream is lost; another resumes it, and the session sends its
+        // RESUME list ahead.
+        server
+            .send(Err(tonic::Status::unavailable("connection reset")))
+            .await
+            .unwrap();
+        let (server, writer, second) = stream();
+        assert!(attach.send(second).await.is_ok());
+        let mut to_server = writer.await.unwrap();
+        loop {
+            if let Ok(Frame::Resume { last: true, .. }) = Frame::try_from(to_server.next().await.unwrap()) {
+                break;
+            }
+        }
+        // Every target closes before the server's list is in.
+        drop(sockets);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let list = Frame::Resume {
+            connections: connections
+                .iter()
+                .map(|&connect_id| ResumeEntry {
+                    connect_id,
+                    received: 0,
+                    written: 0,
+                    closing: false,
+                })
+                .collect(),
+            last: true,
+        };
+        server.send(Ok(list.into())).await.unwrap();
+        let mut closes = 0;
+        let all = tokio::time::timeout(Duration::from_secs(5), async {
+            while closes < ENDPOINTS {
+                // A target's end goes to the server as a CLOSE_RSP.
+                if let Ok(Frame::CloseResponse { .. }) = Frame::try_from(to_server.next().await.unwrap()) {
+                    closes += 1;
+                }
+            }
+        })
+        .await;
+        assert!(
+            all.is_ok(),
+            "{closes} of {ENDPOINTS} closes sent after the RESUME list"
+        );
+    }
+}
