@@ -147,6 +147,13 @@ impl<M> Port<M> {
         self.from_stream.recv().await
     }
 
+    /// Stops receiving: the route's later sends fail (its owner learns the
+    /// consumer is gone), and what was delivered and not read is returned,
+    /// in one step, so that no message falls between the two.
+    pub fn close(mut self) -> impl Iterator<Item = M> {
+        self.from_stream.close().into_iter()
+    }
+
     /// [`Port::recv`], but with resume a connection quiet for
     /// [`flow::QUIET_ACK_AFTER`] gets the credit to acknowledge what it
     /// wrote instead ([`ReceiveCredit::or_quiet`]).

@@ -89,6 +89,15 @@ impl<M> Receiver<M> {
         poll_fn(|cx| self.poll_recv(cx)).await
     }
 
+    /// Stops receiving, in one step: the sender's later sends fail, and
+    /// what it sent and was not received is returned.
+    pub(crate) fn close(&mut self) -> VecDeque<M> {
+        let mut queue = lock(&self.shared);
+        queue.receiver_gone = true;
+        queue.waiting = None;
+        std::mem::take(&mut queue.messages)
+    }
+
     /// [`Receiver::recv`], polled by hand.
     pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<M>> {
         let mut queue = lock(&self.shared);

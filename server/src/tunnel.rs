@@ -241,7 +241,7 @@ impl Dialer {
             self.metrics.dial_failed(DialFailure::NoAgent);
             return Err(DialError::NoBackend);
         };
-        let (route, mut port, send_window) = konnectivity_mux::connection(backend.extensions);
+        let (route, port, send_window) = konnectivity_mux::connection(backend.extensions);
         backend
             .command(Command::Dial {
                 dial_id,
@@ -250,17 +250,18 @@ impl Dialer {
             })
             .await
             .map_err(|BackendGone| DialError::BackendGone)?;
-        // Until the answer arrives, dropping this future cancels the dial.
+        // Until the answer is read, dropping this future cancels the dial.
         let mut cancel = CancelDialOnDrop {
             backend: &backend,
             dial_id,
-            armed: true,
+            port: Some(port),
         };
+        let waiting = cancel.port.as_mut().expect("taken only below");
         let answer = match self.timeout {
-            Some(limit) => tokio::time::timeout(limit, port.recv())
+            Some(limit) => tokio::time::timeout(limit, waiting.recv())
                 .await
                 .map_err(|_| DialError::Timeout(limit)),
-            None => Ok(port.recv().await),
+            None => Ok(waiting.recv().await),
         };
         let answer = match answer {
             Ok(answer) => answer,
@@ -269,7 +270,7 @@ impl Dialer {
                 return Err(timeout);
             }
         };
-        cancel.armed = false;
+        let port = cancel.port.take().expect("taken only here");
         match answer {
             Some(Event::Dialed(Ok(connect_id))) => {
                 span.record("agent_id", backend.agent_id.as_str());
@@ -303,19 +304,38 @@ impl Dialer {
     }
 }
 
+/// Cancels a dial whose answer was not read: DIAL_CLS while the agent still
+/// dials; and when the agent's answer arrived and waits unread (the client
+/// gave up just then), the connection it made is closed. Cancelling alone
+/// left that one open on the agent for good (nothing on it ever reads or
+/// writes: 2,500 of them in the 5,000-node run, the dials its clients gave up
+/// under load).
 struct CancelDialOnDrop<'a> {
     backend: &'a Backend,
     dial_id: DialId,
-    armed: bool,
+    /// Until the answer is read.
+    port: Option<Port<Event>>,
 }
 
 impl Drop for CancelDialOnDrop<'_> {
     fn drop(&mut self) {
-        if self.armed {
-            self.backend.command_from_drop(Command::CancelDial {
+        let Some(port) = self.port.take() else {
+            return;
+        };
+        // In one step: the session either delivered the answer before (it
+        // is returned here) or finds the port closed and closes the
+        // connection itself.
+        let answered = port.close().find_map(|event| match event {
+            Event::Dialed(Ok(connect_id)) => Some(connect_id),
+            _ => None,
+        });
+        let command = match answered {
+            Some(connect_id) => Command::Close { connect_id },
+            None => Command::CancelDial {
                 dial_id: self.dial_id,
-            });
-        }
+            },
+        };
+        self.backend.command_from_drop(command);
     }
 }
 
@@ -451,6 +471,90 @@ impl TunnelReceiver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that gives up on a dial just as the agent answers (its
+    /// answer delivered, not yet read) leaves no connection open on the
+    /// agent: the session is told to close it. Cancelling the dial alone did
+    /// nothing there (the dial was no longer pending), and the connection
+    /// stayed for good.
+    #[tokio::test]
+    async fn a_dial_given_up_with_its_answer_unread_closes_the_agents_connection() {
+        use crate::backend::{Announced, BackendId, Queues};
+        use futures_util::StreamExt;
+        use konnectivity_proto::{Frame, Packet};
+        let metrics = Arc::new(ServerMetrics::default());
+        let registry = Arc::new(Registry::new(
+            vec![crate::backend::strategy::Strategy::Default],
+            metrics.clone(),
+        ));
+        let announced = Announced {
+            agent_id: "agent".to_owned(),
+            extensions: konnectivity_mux::Extensions::FlowControl,
+            ..Announced::default()
+        };
+        let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
+        let Queues {
+            mut to_agent,
+            commands,
+        } = queues;
+        registry.add(backend.clone());
+        let (from_agent, inbound) = tokio::sync::mpsc::channel::<Result<Packet, tonic::Status>>(16);
+        tokio::spawn(crate::backend::session::run(
+            backend.clone(),
+            tokio_stream::wrappers::ReceiverStream::new(inbound),
+            commands,
+            registry.clone(),
+            metrics.clone(),
+            None,
+        ));
+        let dialer = Dialer {
+            registry,
+            metrics: metrics.clone(),
+            timeout: None,
+            class: FrontendClass::Apiserver,
+            node_allowed: Arc::new(Vec::new()),
+            client_node: None,
+            tunnel_limit: None,
+        };
+        let target = DialTarget::new("10.0.0.1:80");
+        let dial_id = DialId::new(7);
+        let mut dial = Box::pin(dialer.dial(&target, dial_id));
+        // Polled until the DIAL_REQ is out, then no more.
+        let request = tokio::select! {
+            _ = &mut dial => panic!("the dial ended before its answer"),
+            request = to_agent.next() => request.unwrap(),
+        };
+        assert!(matches!(Frame::try_from(request), Ok(Frame::DialRequest { .. })));
+        let connect_id = ConnectId::new(3).unwrap();
+        let answer = Frame::DialResponse {
+            dial_id,
+            result: Ok(connect_id),
+        };
+        from_agent.send(Ok(answer.into())).await.unwrap();
+        // The session delivers the answer; nobody reads it; the client goes.
+        while metrics.established_connections.get() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        drop(dial);
+        let next = tokio::time::timeout(Duration::from_secs(2), to_agent.next()).await;
+        let next = next.expect("a packet for the agent").map(Frame::try_from);
+        assert!(
+            matches!(next, Some(Ok(Frame::CloseRequest { connect_id: id })) if id == connect_id),
+            "{next:?}"
+        );
+        let closed = Frame::CloseResponse {
+            connect_id,
+            error: None,
+        };
+        from_agent.send(Ok(closed.into())).await.unwrap();
+        tokio::time::timeout(Duration::from_secs(2), async {
+            while metrics.established_connections.get() != 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the connection is released");
+    }
 
     #[test]
     fn agent_errors_map_to_upstream_statuses() {
