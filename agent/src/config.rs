@@ -179,7 +179,9 @@ pub struct Args {
     /// SO_MARK on the agent's own sockets; the capture rules skip it (hex or decimal).
     #[arg(long, value_parser = parse_mark, default_value = "0x4b4e", help_heading = "Node capture (konnectivity-rs)")]
     pub capture_mark: u32,
-    /// The server's node frontend port on --proxy-server-host.
+    /// The server's node frontend port on --proxy-server-host. With several hosts, the node
+    /// tunnel holds one of them (from one its agent id picks, round the list; the next when its
+    /// server is lost).
     #[arg(long, default_value_t = 0, help_heading = "Node capture (konnectivity-rs)")]
     pub node_frontend_port: u16,
     /// Client certificate for the node frontend (from the server's --node-client-ca-cert).
@@ -290,7 +292,8 @@ fn parse_mark(text: &str) -> Result<u32, String> {
 
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// The first of `server_hosts`: the node role's server.
+    /// The first of `server_hosts`: the one the egress target names when a
+    /// single host is given (the node role tries them all).
     pub server_host: String,
     /// `--proxy-server-host`, split at commas, each with its port.
     pub server_hosts: Vec<ServerAddress>,

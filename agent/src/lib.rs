@@ -420,7 +420,14 @@ async fn serve(
         captures: node.captures.clone(),
         capture_port: node.capture_port,
         mark: node.mark,
-        server_host: config.server_host.clone(),
+        server_hosts: NodeSettings::hosts_in_node_order(
+            &config
+                .server_hosts
+                .iter()
+                .map(|address| address.host.clone())
+                .collect::<Vec<_>>(),
+            &config.agent_id,
+        ),
         node_frontend_port: node.node_frontend_port,
         tls: Arc::new(node_tls),
         sync_interval: config.sync_interval,

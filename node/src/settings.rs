@@ -12,7 +12,10 @@ pub struct NodeSettings {
     pub captures: CaptureMap,
     pub capture_port: u16,
     pub mark: u32,
-    pub server_host: String,
+    /// The hosts of `--proxy-server-host`, in the order this node tries them
+    /// ([`NodeSettings::hosts_in_node_order`]); all serve the node frontend
+    /// on `node_frontend_port`.
+    pub server_hosts: Vec<String>,
     pub node_frontend_port: u16,
     pub tls: Arc<rustls::ClientConfig>,
     pub sync_interval: Duration,
@@ -42,6 +45,32 @@ pub struct CniSettings {
     pub exclude_namespaces: Vec<String>,
 }
 
+impl NodeSettings {
+    /// The hosts of `--proxy-server-host` (several servers without a
+    /// balancer in front) in the order a node tries them: from one its agent
+    /// id picks, round the list. The nodes of a DaemonSet, whose flags are
+    /// all the same, so spread over the servers (by a stable hash: agent ids
+    /// are random unless `--agent-id` is set), and a node whose server is
+    /// gone moves to the next.
+    pub fn hosts_in_node_order(hosts: &[String], agent_id: &str) -> Vec<String> {
+        let mut unique: Vec<String> = Vec::with_capacity(hosts.len());
+        for host in hosts {
+            if !unique.contains(host) {
+                unique.push(host.clone());
+            }
+        }
+        if !unique.is_empty() {
+            // FNV-1a: the same on every build and platform, unlike std's hasher.
+            let hash = agent_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+                (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+            });
+            let first = (hash % unique.len() as u64) as usize;
+            unique.rotate_left(first);
+        }
+        unique
+    }
+}
+
 #[cfg(test)]
 impl NodeSettings {
     /// Settings that reach no server, for unit tests of what only holds them.
@@ -52,7 +81,7 @@ impl NodeSettings {
             captures: CaptureMap::default(),
             capture_port: 0,
             mark: 0,
-            server_host: "127.0.0.1".to_owned(),
+            server_hosts: vec!["127.0.0.1".to_owned()],
             node_frontend_port: 1,
             tls: Arc::new(tls),
             sync_interval: Duration::from_secs(1),
@@ -62,5 +91,43 @@ impl NodeSettings {
             resume_timeout: Duration::ZERO,
             egress: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    #[test]
+    fn the_nodes_of_a_daemonset_spread_over_the_servers_each_round_the_list() {
+        let hosts: Vec<String> = ["a", "b", "c", "b"].iter().map(|h| (*h).to_owned()).collect();
+        let mut first = HashMap::new();
+        for n in 0..3000 {
+            let order = NodeSettings::hosts_in_node_order(&hosts, &format!("node-{n}"));
+            // Every host once, in the list's order round from the first.
+            let at = |host: &str| order.iter().position(|h| h == host).expect("every host");
+            assert_eq!(order.len(), 3, "{order:?}");
+            assert_eq!((at("a") + 1) % 3, at("b"), "{order:?}");
+            assert_eq!((at("b") + 1) % 3, at("c"), "{order:?}");
+            *first.entry(order[0].clone()).or_insert(0) += 1;
+        }
+        for host in ["a", "b", "c"] {
+            let count = first[host];
+            assert!(
+                (800..=1200).contains(&count),
+                "{host} first for {count} of 3000: {first:?}"
+            );
+        }
+        // The same node, the same order.
+        assert_eq!(
+            NodeSettings::hosts_in_node_order(&hosts, "node-7"),
+            NodeSettings::hosts_in_node_order(&hosts, "node-7")
+        );
+        assert_eq!(
+            NodeSettings::hosts_in_node_order(&[], "node-7"),
+            Vec::<String>::new()
+        );
     }
 }

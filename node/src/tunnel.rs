@@ -59,6 +59,9 @@ pub(crate) async fn keep_tunnel(
         settings.sync_interval_cap.min(TUNNEL_RETRY_CAP),
     );
     let mut current: Option<Tunnel> = None;
+    // The host of `settings.server_hosts` the tunnel is connected to, or
+    // tries first: a tunnel whose server is lost tries the next host first.
+    let mut host_at = 0;
     loop {
         let was_up = readiness.tunnel_connected.load(Ordering::Relaxed);
         let answer = match &current {
@@ -69,43 +72,49 @@ pub(crate) async fn keep_tunnel(
                 )),
                 answer = async {
                     tokio::time::sleep(TUNNEL_SERVICE_PROBE_INTERVAL).await;
-                    connected.probe(TUNNEL_PROBE_TIMEOUT).await.map_err(|e| e.to_string())
+                    connected.probe(TUNNEL_PROBE_TIMEOUT).await.map(drop).map_err(|e| e.to_string())
                 } => answer,
             },
             None => Err("not connected".to_owned()),
         };
         let answer = match answer {
-            Ok(server_id) => Ok(server_id),
+            Ok(()) => Ok(()),
             Err(problem) => {
                 // Not ready from this moment; reconnecting may take a while.
+                let host = &settings.server_hosts[host_at];
                 if was_up {
-                    tracing::warn!(%problem, server = %settings.server_host, port = settings.node_frontend_port, "node tunnel stopped answering; new captured connections are reset until it is back");
+                    tracing::warn!(%problem, server = %host, port = settings.node_frontend_port, "node tunnel stopped answering; new captured connections are reset until it is back");
                 }
                 readiness.tunnel_failed(problem.clone(), &metrics);
-                match connect_tunnel(&settings).await {
-                    Ok((fresh, server_id)) => {
+                let lost = current.take().is_some();
+                if lost {
+                    host_at = (host_at + 1) % settings.server_hosts.len();
+                }
+                match connect_any(&settings, host_at).await {
+                    Ok((fresh, server_id, at)) => {
                         let _ = tunnel.send(Some(fresh.clone()));
                         current = Some(fresh);
-                        Ok(server_id)
+                        host_at = at;
+                        // Said at every new connection: after a loss, which
+                        // host and server the node moved to.
+                        let named = server_id.as_deref().unwrap_or("(not named)");
+                        tracing::info!(server = %settings.server_hosts[host_at], port = settings.node_frontend_port, server_id = named, "node tunnel connected");
+                        Ok(())
                     }
                     // The probe's failure says what went wrong first.
-                    Err(error) if current.is_some() => Err(format!("{problem} (reconnecting: {error})")),
+                    Err(error) if lost => Err(format!("{problem} (reconnecting: {error})")),
                     Err(error) => Err(error),
                 }
             }
         };
         match answer {
-            Ok(server_id) => {
-                if !was_up {
-                    let server_id = server_id.as_deref().unwrap_or("(not named)");
-                    tracing::info!(server = %settings.server_host, port = settings.node_frontend_port, server_id, "node tunnel connected");
-                }
+            Ok(()) => {
                 readiness.tunnel_answered(&metrics);
                 backoff.reset();
             }
             Err(problem) => {
                 if current.is_none() {
-                    tracing::warn!(%problem, server = %settings.server_host, port = settings.node_frontend_port, "cannot connect the node tunnel");
+                    tracing::warn!(%problem, servers = %settings.server_hosts.join(","), port = settings.node_frontend_port, "cannot connect the node tunnel");
                 }
                 readiness.tunnel_failed(problem, &metrics);
                 tokio::time::sleep(backoff.next_delay()).await;
@@ -122,11 +131,32 @@ const NODE_TLS_FLAGS: konnectivity_plumbing::tls::ClientFlags = konnectivity_plu
     host: "proxy-server-host",
 };
 
-/// A new connection to the node frontend that has answered a probe, and
-/// the id of the server it reached (if that server names itself).
-async fn connect_tunnel(settings: &NodeSettings) -> Result<(Tunnel, Option<String>), String> {
+/// A new connection to the node frontend of the first host, from
+/// `settings.server_hosts[first]` round the list, that answers a probe: the
+/// connection, the id of the server it reached (if that server names
+/// itself), and the host's place in the list.
+async fn connect_any(
+    settings: &NodeSettings,
+    first: usize,
+) -> Result<(Tunnel, Option<String>, usize), String> {
+    let hosts = &settings.server_hosts;
+    let mut problems = Vec::new();
+    for at in (first..hosts.len()).chain(0..first) {
+        match connect_tunnel(settings, &hosts[at]).await {
+            Ok((tunnel, server_id)) => return Ok((tunnel, server_id, at)),
+            // One host alone says what went wrong as before.
+            Err(problem) if hosts.len() == 1 => return Err(problem),
+            Err(problem) => problems.push(format!("{}: {problem}", hosts[at])),
+        }
+    }
+    Err(problems.join("; "))
+}
+
+/// A new connection to the node frontend on `host` that has answered a
+/// probe, and the id of the server it reached (if that server names itself).
+async fn connect_tunnel(settings: &NodeSettings, host: &str) -> Result<(Tunnel, Option<String>), String> {
     let connect = Tunnel::connect_tls_marked(
-        &settings.server_host,
+        host,
         settings.node_frontend_port,
         settings.tls.clone(),
         Some(settings.mark),
@@ -135,12 +165,10 @@ async fn connect_tunnel(settings: &NodeSettings) -> Result<(Tunnel, Option<Strin
     let connected = match tokio::time::timeout(TUNNEL_PROBE_TIMEOUT, connect).await {
         Ok(Ok(connected)) => connected.with_dial_timeout(Duration::from_secs(10)),
         Ok(Err(error)) => {
-            return Err(konnectivity_plumbing::tls::explain_client_failure(
-                &error,
-                &settings.server_host,
-                NODE_TLS_FLAGS,
-            )
-            .unwrap_or_else(|| konnectivity_plumbing::error_chain(&error)));
+            return Err(
+                konnectivity_plumbing::tls::explain_client_failure(&error, host, NODE_TLS_FLAGS)
+                    .unwrap_or_else(|| konnectivity_plumbing::error_chain(&error)),
+            );
         }
         Err(_) => return Err(format!("no connection within {TUNNEL_PROBE_TIMEOUT:?}")),
     };
@@ -264,8 +292,11 @@ impl ServerTunnels {
         let started = Instant::now();
         let mut reached: Vec<String> = Vec::new();
         let mut last_error = None;
+        // Several hosts (servers without a balancer): each in turn.
+        let hosts = &self.settings.server_hosts;
         for attempt in 1..=SEARCH_ATTEMPTS {
-            match connect_tunnel(&self.settings).await {
+            let host = &hosts[attempt % hosts.len()];
+            match connect_tunnel(&self.settings, host).await {
                 Ok((tunnel, Some(id))) if id == server => {
                     tracing::info!(
                         server_id = server,
@@ -291,7 +322,7 @@ impl ServerTunnels {
         }
         Err(format!(
             "no connection to {}:{} reached server {server} in {SEARCH_ATTEMPTS} attempts (reached: {}{})",
-            self.settings.server_host,
+            hosts.join(","),
             self.settings.node_frontend_port,
             if reached.is_empty() {
                 "none".to_owned()

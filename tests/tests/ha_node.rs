@@ -243,3 +243,72 @@ async fn a_connection_whose_server_died_is_reset_and_only_it() {
             .unwrap_or("")
     );
 }
+
+/// Several servers listed in `--proxy-server-host`, without a balancer (an
+/// HA control plane whose machines the nodes name): the node tunnel holds
+/// one of them, and when that server dies it moves to the next. The
+/// connections whose streams lived at the dead server are reset (their
+/// sessions died with it); new connections work within seconds through the
+/// other server, and the agent's log says which one. Without the list, the
+/// node role dialed only the first host and stayed down with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_servers_listed_the_node_tunnel_moves_to_another_when_its_server_dies() {
+    if !root_or_skip("with_servers_listed_the_node_tunnel_moves_to_another_when_its_server_dies") {
+        return;
+    }
+    let mut topology = build_listed(2).await;
+    let _streams = streams_target(&topology).await;
+    let agent = topology.start_node_agent(&[STREAMS_CAPTURE.to_owned()]);
+    topology.wait_node_ready().await;
+    let first = first_server(&agent.log_text());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut at_first = Vec::new();
+    for _ in 0..5 {
+        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+        at_first.push(tokio::spawn(numbered_lines(stream, stop.clone())));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    topology.kill_server(first);
+    let killed = Instant::now();
+    let other = format!("server_id=\"server-{}\"", 1 - first);
+    let agent_log = &agent;
+    crate::support::wait_until(
+        Duration::from_secs(15),
+        "the node tunnel to reach the other server",
+        || async {
+            agent_log
+                .log_text()
+                .lines()
+                .any(|line| line.contains("node tunnel connected") && line.contains(&other))
+        },
+    )
+    .await;
+    let moved_after = killed.elapsed();
+    topology.wait_node_ready().await;
+    for (i, connection) in at_first.into_iter().enumerate() {
+        let ended = tokio::time::timeout(Duration::from_secs(10), connection)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "connection {i} at the dead server still hangs:\n{}",
+                    agent.log_text()
+                )
+            })
+            .unwrap();
+        assert!(ended.is_err(), "connection {i} went on without its server");
+    }
+    let stop_new = Arc::new(AtomicBool::new(false));
+    let new = tokio::spawn(numbered_lines(
+        topology.node.connect_tcp(STREAMS_VIP).unwrap(),
+        stop_new.clone(),
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_new.store(true, Ordering::Relaxed);
+    let lines = new
+        .await
+        .unwrap()
+        .unwrap_or_else(|broke| panic!("a new connection after the move: {broke}\n{}", agent.log_text()));
+    assert!(lines.len() >= 10, "{} lines", lines.len());
+    println!("the node tunnel reached the other server {moved_after:?} after the kill");
+}

@@ -189,10 +189,19 @@ impl Pki {
                 dir,
                 "proxy-server",
                 // 10.222.0.2: the server's address in the network-namespace
-                // tests. kubernetes.default.svc: the name pods check
+                // tests; 10.222.1.21 and .22: each server's own when several
+                // are listed without a balancer (support::kas::server_ip).
+                // kubernetes.default.svc: the name pods check
                 // kube-apiserver's certificate against (the stand-in
                 // kube-apiserver serves this certificate).
-                &["localhost", "127.0.0.1", "10.222.0.2", "kubernetes.default.svc"],
+                &[
+                    "localhost",
+                    "127.0.0.1",
+                    "10.222.0.2",
+                    "10.222.1.21",
+                    "10.222.1.22",
+                    "kubernetes.default.svc",
+                ],
                 ExtendedKeyUsagePurpose::ServerAuth,
                 &authority,
             ),

@@ -53,9 +53,12 @@ pub struct Topology {
     /// One, or several behind [`Topology::balancers`].
     _servers: Vec<Proc>,
     _cp_agent: Proc,
-    /// With several servers: at [`SERVER_IP`], the agent port's and the
-    /// node frontend's.
+    /// With several servers behind one address: at [`SERVER_IP`], the agent
+    /// port's and the node frontend's.
     balancers: Vec<RoundRobin>,
+    /// The agents' `--proxy-server-host`: [`SERVER_IP`], or every server's
+    /// own address when they are listed without a balancer.
+    server_hosts: String,
     pub blob_sha256: String,
 }
 
@@ -126,7 +129,7 @@ pub async fn build(blob: bool) -> Topology {
 
 /// [`build`], with proxy-server and the agents from `binaries`.
 pub async fn build_from(blob: bool, binaries: Binaries) -> Topology {
-    build_with(blob, binaries, 1).await
+    build_with(blob, binaries, 1, Front::Balancer).await
 }
 
 /// The address of the `n`th of several servers (on the control plane's
@@ -145,10 +148,26 @@ pub fn server_health(n: usize) -> u16 {
 /// one for the node frontend, as an HA control plane puts a load balancer
 /// before its servers. The control-plane agent holds a stream to each.
 pub async fn build_behind_balancer(servers: usize) -> Topology {
-    build_with(false, Binaries::Build, servers).await
+    build_with(false, Binaries::Build, servers, Front::Balancer).await
 }
 
-async fn build_with(blob: bool, binaries: Binaries, servers: usize) -> Topology {
+/// [`build`] with `servers` proxy-servers (ids `server-0`, …), each on its
+/// own address ([`server_ip`]), which the agents list in
+/// `--proxy-server-host`: an HA control plane without a balancer.
+pub async fn build_listed(servers: usize) -> Topology {
+    build_with(false, Binaries::Build, servers, Front::Listed).await
+}
+
+/// How agents reach several servers.
+#[derive(Clone, Copy, PartialEq)]
+enum Front {
+    /// One address, a round-robin balancer's.
+    Balancer,
+    /// Every server's own address, in `--proxy-server-host`.
+    Listed,
+}
+
+async fn build_with(blob: bool, binaries: Binaries, servers: usize, front: Front) -> Topology {
     let dir = TempDir::new("konn-capture");
     let pki = Pki::new(dir.path());
     let node = Netns::new("node");
@@ -220,7 +239,11 @@ async fn build_with(blob: bool, binaries: Binaries, servers: usize) -> Topology 
             ]);
             procs.push(control_plane.spawn_from(&binaries, "proxy-server", &args, dir.path()));
         }
-        for port in [AGENT_PORT, NODE_FRONTEND_PORT] {
+        let ports = match front {
+            Front::Balancer => [AGENT_PORT, NODE_FRONTEND_PORT].as_slice(),
+            Front::Listed => &[],
+        };
+        for port in ports {
             let backends = (0..servers)
                 .map(|n| format!("{}:{port}", server_ip(n)).parse().unwrap())
                 .collect();
@@ -232,11 +255,27 @@ async fn build_with(blob: bool, binaries: Binaries, servers: usize) -> Topology 
         }
         procs
     };
+    let server_hosts = if servers > 1 && front == Front::Listed {
+        for n in 0..servers {
+            // The node reaches each server's own address (only those: the
+            // API server's stays unroutable).
+            node.ip(&[
+                "route",
+                "add",
+                &format!("{}/32", server_ip(n)),
+                "via",
+                "10.222.0.2",
+            ]);
+        }
+        (0..servers).map(server_ip).collect::<Vec<_>>().join(",")
+    } else {
+        SERVER_IP.to_owned()
+    };
     let cp_agent = control_plane.spawn_from(
         &binaries,
         "proxy-agent",
         &agent_args(
-            (SERVER_IP, AGENT_PORT),
+            (&server_hosts, AGENT_PORT),
             &pki,
             &pki.control_plane_agent,
             "cp-1",
@@ -278,6 +317,7 @@ async fn build_with(blob: bool, binaries: Binaries, servers: usize) -> Topology 
         _servers: server_procs,
         _cp_agent: cp_agent,
         balancers,
+        server_hosts,
         blob_sha256,
     }
 }
@@ -293,6 +333,11 @@ impl Topology {
     /// roles to each other.
     pub fn start_node_agent(&self, extra: &[String]) -> Proc {
         let mut args = node_agent_args(&self.pki, &[]);
+        for arg in &mut args {
+            if arg.starts_with("--proxy-server-host=") {
+                *arg = format!("--proxy-server-host={}", self.server_hosts);
+            }
+        }
         args.push(format!(
             "--handover-socket={}",
             self.dir.path().join("handover.sock").display()
