@@ -186,6 +186,14 @@ pub struct ClusterArgs {
     /// server's own memory and CPU figures are then the wrapper's.
     #[arg(long)]
     pub server_wrapper: Option<PathBuf>,
+    /// proxy-servers, each on an address of its own (127.0.2.1, 127.0.2.2,
+    /// ...) with the same ports, as several control-plane machines: every
+    /// agent holds a stream to each (all addresses in --proxy-server-host),
+    /// each node's tunnel one of them. With two or more, the run ends by
+    /// killing the last server: how long until every node is served by the
+    /// others, and what was lost; then that server is started again.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    pub servers: u8,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -195,6 +203,9 @@ pub struct NodeFleetArgs {
     pub first: usize,
     #[arg(long)]
     pub nodes: usize,
+    /// The servers' addresses (agent port and node frontend port on each).
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1")]
+    pub server_hosts: Vec<String>,
     #[arg(long)]
     pub server_port: u16,
     #[arg(long)]

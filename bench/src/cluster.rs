@@ -19,7 +19,15 @@
 //! agent proves itself by certificate (control-plane ids need one, and the
 //! server takes no ServiceAccount tokens beside a cluster CA, as upstream's
 //! does not): a restart costs kube-apiserver no TokenReview, and the line
-//! says 0. The last line is for scripts:
+//! says 0.
+//!
+//! With `--servers 2` (or more), each server on an address of its own, as
+//! control-plane machines without a balancer: every agent holds a stream to
+//! each, every node's tunnel one of them (picked by its agent id), and the
+//! run ends by killing one server: how long until the others serve every
+//! node, what broke, and whether kube-apiserver's dials through another
+//! server noticed; then that server starts again. The last line is for
+//! scripts:
 //! `scale: nodes=N captured=N kib_per_node=X kib_per_captured=X p99_added_ms=X back_after_restart_s=X reviews_per_token=X`.
 
 use std::net::SocketAddr;
@@ -39,28 +47,55 @@ use crate::stack::{self, Layout, Proc, cpu_ticks, raise_descriptor_limit, scrape
 /// The server's metrics this run reads.
 const AGENTS: &str = "konnectivity_network_proxy_server_ready_backend_connections";
 const HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
+const NODES: &str = "konnectivity_network_proxy_server_node_frontend_nodes";
 
-/// The proxy-server under test.
+/// Where the run's servers listen: with one, loopback's usual address; with
+/// several, an address each, all on the same ports (as control-plane
+/// machines, which the nodes list in --proxy-server-host).
+fn server_hosts(servers: u8) -> Vec<String> {
+    if servers == 1 {
+        return vec!["127.0.0.1".to_owned()];
+    }
+    (1..=servers).map(|k| format!("127.0.2.{k}")).collect()
+}
+
+/// The ports every server of the run listens on, on its own address.
+#[derive(Clone, Copy)]
+struct ServerPorts {
+    agent: u16,
+    node: u16,
+}
+
+/// A proxy-server under test.
 struct ClusterServer {
+    name: String,
     proc: Proc,
     /// `--server-wrapper`.
     wrapper: Option<PathBuf>,
     args: Vec<String>,
     health: u16,
-    agent_port: u16,
-    node_port: u16,
     uds: PathBuf,
 }
 
 impl ClusterServer {
+    /// Server `k` of the run, on `host`.
     fn start(
         layout: &Layout,
         pki: &ClusterPki,
         args: &ClusterArgs,
         kas: &[SocketAddr],
+        (k, host): (usize, &str),
+        ports: ServerPorts,
     ) -> anyhow::Result<ClusterServer> {
-        let uds = layout.work.join("kas.socket");
-        let (agent_port, node_port, health) = (stack::free_port()?, stack::free_port()?, stack::free_port()?);
+        let (name, uds) = if args.servers == 1 {
+            ("proxy-server".to_owned(), layout.work.join("kas.socket"))
+        } else {
+            (
+                format!("proxy-server-{k}"),
+                layout.work.join(format!("kas-{k}.socket")),
+            )
+        };
+        let health = stack::free_port()?;
         let server = pki.server();
         let control_plane: Vec<String> = (0..args.control_plane_agents)
             .map(|k| format!("cp-{k}"))
@@ -71,13 +106,14 @@ impl ClusterServer {
             format!("--uds-name={}", uds.display()),
             "--delete-existing-uds-file".to_owned(),
             "--server-port=0".to_owned(),
-            format!("--agent-port={agent_port}"),
-            "--agent-bind-address=127.0.0.1".to_owned(),
+            format!("--agent-port={}", ports.agent),
+            format!("--agent-bind-address={host}"),
+            format!("--server-count={}", args.servers),
             format!("--cluster-cert={}", server.cert.display()),
             format!("--cluster-key={}", server.key.display()),
             format!("--cluster-ca-cert={}", pki.cluster_ca().display()),
-            format!("--node-frontend-port={node_port}"),
-            "--node-frontend-bind-address=127.0.0.1".to_owned(),
+            format!("--node-frontend-port={}", ports.node),
+            format!("--node-frontend-bind-address={host}"),
             format!("--node-client-ca-cert={}", pki.node_ca().display()),
             format!("--node-allowed-destinations={}", allowed.join(",")),
             format!("--control-plane-agent-ids={}", control_plane.join(",")),
@@ -85,14 +121,13 @@ impl ClusterServer {
             "--health-bind-address=127.0.0.1".to_owned(),
             format!("--admin-port={}", stack::free_port()?),
         ];
-        let proc = spawn_server(layout, "proxy-server", args.server_wrapper.as_deref(), &flags)?;
+        let proc = spawn_server(layout, &name, args.server_wrapper.as_deref(), &flags)?;
         Ok(ClusterServer {
+            name,
             proc,
             wrapper: args.server_wrapper.clone(),
             args: flags,
             health,
-            agent_port,
-            node_port,
             uds,
         })
     }
@@ -102,7 +137,7 @@ impl ClusterServer {
         self.proc.kill_now();
         self.proc = spawn_server(
             layout,
-            "proxy-server-restarted",
+            &format!("{}-restarted", self.name),
             self.wrapper.as_deref(),
             &self.args,
         )?;
@@ -115,13 +150,25 @@ impl ClusterServer {
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|value| value.trim().parse().ok())
     }
+}
 
-    /// Settles, then its resident memory and live heap.
-    async fn memory(&self) -> anyhow::Result<(f64, f64)> {
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let heap = self.metric(HEAP).await.context("the server's heap metric")?;
-        Ok((self.proc.resident_bytes()? as f64, heap))
+/// Settles, then the servers' resident memory and live heap, together.
+async fn memory(servers: &[ClusterServer]) -> anyhow::Result<(f64, f64)> {
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (mut resident, mut heap) = (0.0, 0.0);
+    for server in servers {
+        heap += server
+            .metric(HEAP)
+            .await
+            .with_context(|| format!("{}'s heap metric", server.name))?;
+        resident += server.proc.resident_bytes()? as f64;
     }
+    Ok((resident, heap))
+}
+
+/// The servers' CPU time so far, in ticks.
+fn servers_cpu_ticks(servers: &[ClusterServer]) -> anyhow::Result<u64> {
+    servers.iter().map(|server| cpu_ticks(&server.proc)).sum()
 }
 
 /// proxy-server with `flags`, under `wrapper` if given.
@@ -274,8 +321,11 @@ async fn dials(route: Route, echo: SocketAddr, rate: u64, length: Duration) -> (
     (delays, failed)
 }
 
+/// One window: kube-apiserver's dials through the first server (the other
+/// servers' sockets serve their own kube-apiservers alike), and the CPU of
+/// all servers.
 async fn measure(
-    server: &ClusterServer,
+    servers: &[ClusterServer],
     fleets: &Fleets,
     echo: SocketAddr,
     args: &ClusterArgs,
@@ -283,17 +333,17 @@ async fn measure(
     let length = Duration::from_secs(args.measure_s);
     // What was sampled before the window is dropped.
     fleets.stats().await?;
-    let (cpu_before, started) = (cpu_ticks(&server.proc)?, Instant::now());
+    let (cpu_before, started) = (servers_cpu_ticks(servers)?, Instant::now());
     let half = args.dials_per_second / 2;
     let tunnel = Route::HttpConnect {
-        uds: server.uds.clone(),
+        uds: servers[0].uds.clone(),
     };
     let ((mut tunnel_delays, tunnel_failed), (direct_delays, direct_failed)) = tokio::join!(
         dials(tunnel, echo, half.max(1), length),
         dials(Route::Direct, echo, (args.dials_per_second - half).max(1), length),
     );
     let elapsed = started.elapsed().as_secs_f64();
-    let server_cpu = (cpu_ticks(&server.proc)? - cpu_before) as f64 / 100.0 / elapsed;
+    let server_cpu = (servers_cpu_ticks(servers)? - cpu_before) as f64 / 100.0 / elapsed;
     let stats = fleets.stats().await?;
     let events = stats.bulk.len() + stats.probe_node.len();
     tunnel_delays.shrink_to_fit();
@@ -306,6 +356,59 @@ async fn measure(
         dial_failures: tunnel_failed + direct_failed,
         events_per_second: events as f64 / elapsed,
         server_cpu,
+    })
+}
+
+/// One server killed while others run.
+struct Failover {
+    /// Nodes whose tunnel had streams at the server killed.
+    nodes_moved: f64,
+    /// Watches that broke (their streams lived at the server killed).
+    watches_broken: u64,
+    /// How long until every node was served by the others, or why not.
+    took: String,
+    /// kube-apiserver's dials through another server meanwhile.
+    dials: Spread,
+    dials_failed: usize,
+}
+
+/// Kills the last of `servers` (SIGKILL, as a crashed machine's), and waits
+/// until the others serve every node: tunnels answering, every watch
+/// re-established (a captured connection's stream cannot outlive its
+/// server: it lives in that server's memory), while kube-apiserver dials
+/// through another server as before.
+async fn kill_one(
+    servers: &mut [ClusterServer],
+    fleets: &Fleets,
+    args: &ClusterArgs,
+    echo: SocketAddr,
+    watches: usize,
+) -> anyhow::Result<Failover> {
+    let (killed, others) = servers.split_last_mut().context("servers to kill one of")?;
+    let nodes_moved = killed.metric(NODES).await.unwrap_or(0.0);
+    let broken_before = fleets.stats().await?.bulk_broken;
+    killed.proc.kill_now();
+    let killed_at = Instant::now();
+    let route = Route::HttpConnect {
+        uds: others[0].uds.clone(),
+    };
+    let (back, (delays, dials_failed)) = tokio::join!(
+        all_back(others, fleets, args, watches, Duration::from_secs(300)),
+        dials(route, echo, args.dials_per_second, Duration::from_secs(10)),
+    );
+    let took = match back {
+        Ok(took) => format!("{:.1} s", took.as_secs_f64()),
+        Err(error) => {
+            eprintln!("   {error}");
+            format!("not within {:.0} s: {error}", killed_at.elapsed().as_secs_f64())
+        }
+    };
+    Ok(Failover {
+        nodes_moved,
+        watches_broken: fleets.stats().await?.bulk_broken - broken_before,
+        took,
+        dials: Spread::of(delays),
+        dials_failed,
     })
 }
 
@@ -327,10 +430,11 @@ where
     bail!("{what}: not within {limit:?} ({last})")
 }
 
-/// Every node back: agent streams and node tunnels at the server, and
-/// (when `watches`) every bulk watch established.
+/// Every node back: agent streams at every one of `servers` (each agent
+/// holds one to each), node tunnels answering, and (when `watches`) every
+/// bulk watch established.
 async fn all_back(
-    server: &ClusterServer,
+    servers: &[ClusterServer],
     fleets: &Fleets,
     args: &ClusterArgs,
     watches: usize,
@@ -338,15 +442,20 @@ async fn all_back(
 ) -> anyhow::Result<Duration> {
     let agents = (args.nodes + args.control_plane_agents) as f64;
     until("every node back", limit, || async {
-        // The server counts agent streams; a node tunnel is a connection
+        // A server counts agent streams; a node tunnel is a connection
         // whose streams come and go, so the nodes say whether theirs
         // answers its probes.
-        let at_server = server.metric(AGENTS).await;
+        let mut at_servers = Vec::new();
+        for server in servers {
+            at_servers.push(server.metric(AGENTS).await);
+        }
         let stats = fleets.stats().await?;
-        let back = at_server == Some(agents) && stats.tunnels_up == args.nodes && stats.bulk_up >= watches;
+        let back = at_servers.iter().all(|at| *at == Some(agents))
+            && stats.tunnels_up == args.nodes
+            && stats.bulk_up >= watches;
         Ok((!back).then(|| {
             format!(
-                "agent streams {at_server:?} of {agents}, node tunnels answering {} of {}, watches {} of {watches}",
+                "agent streams {at_servers:?} of {agents}, node tunnels answering {} of {}, watches {} of {watches}",
                 stats.tunnels_up, args.nodes, stats.bulk_up
             )
         }))
@@ -368,7 +477,13 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         );
     }
     eprintln!("== certificates for {} nodes", args.nodes);
-    let pki = ClusterPki::make(&args.work.join("pki"), args.control_plane_agents, args.nodes)?;
+    let hosts = server_hosts(args.servers);
+    let pki = ClusterPki::make(
+        &args.work.join("pki"),
+        args.control_plane_agents,
+        args.nodes,
+        &hosts,
+    )?;
     let layout = Layout {
         bin_dir: args.bin_dir.clone(),
         certs: pki.dir.clone(),
@@ -397,16 +512,32 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         .await?;
     }
 
-    let mut server = ClusterServer::start(&layout, &pki, &args, &kas)?;
-    until("proxy-server", Duration::from_secs(20), || async {
-        Ok(server
-            .metric(AGENTS)
-            .await
-            .is_none()
-            .then(|| "no metrics yet".to_owned()))
-    })
-    .await?;
-    let bare = server.memory().await?;
+    let ports = ServerPorts {
+        agent: stack::free_port()?,
+        node: stack::free_port()?,
+    };
+    let mut servers = Vec::new();
+    for (k, host) in hosts.iter().enumerate() {
+        servers.push(ClusterServer::start(
+            &layout,
+            &pki,
+            &args,
+            &kas,
+            (k, host),
+            ports,
+        )?);
+    }
+    for server in &servers {
+        until(&server.name, Duration::from_secs(20), || async {
+            Ok(server
+                .metric(AGENTS)
+                .await
+                .is_none()
+                .then(|| "no metrics yet".to_owned()))
+        })
+        .await?;
+    }
+    let bare = memory(&servers).await?;
 
     eprintln!("== {} control-plane agents", args.control_plane_agents);
     let mut control_plane = Vec::new();
@@ -417,8 +548,8 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             &format!("cp-{k}"),
             &args.bin_dir.join("proxy-agent"),
             &[
-                "--proxy-server-host=127.0.0.1".to_owned(),
-                format!("--proxy-server-port={}", server.agent_port),
+                format!("--proxy-server-host={}", hosts.join(",")),
+                format!("--proxy-server-port={}", ports.agent),
                 format!("--ca-cert={}", pki.cluster_ca().display()),
                 format!("--agent-cert={}", pair.cert.display()),
                 format!("--agent-key={}", pair.key.display()),
@@ -448,8 +579,9 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
                 "node-fleet".to_owned(),
                 format!("--first={first}"),
                 format!("--nodes={}", args.nodes_per_process.min(args.nodes - first)),
-                format!("--server-port={}", server.agent_port),
-                format!("--node-frontend-port={}", server.node_port),
+                format!("--server-hosts={}", hosts.join(",")),
+                format!("--server-port={}", ports.agent),
+                format!("--node-frontend-port={}", ports.node),
                 format!("--pki={}", pki.dir.display()),
                 format!("--kas={}", kas_list.join(",")),
                 format!("--watches={}", args.watches_per_node),
@@ -470,15 +602,15 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         .await?;
         fleets.controls.extend(port_in(file));
     }
-    all_back(&server, &fleets, &args, 0, Duration::from_secs(300)).await?;
+    all_back(&servers, &fleets, &args, 0, Duration::from_secs(300)).await?;
     let connected_in = connecting.elapsed();
-    let with_nodes = server.memory().await?;
+    let with_nodes = memory(&servers).await?;
 
     eprintln!(
         "== idle: {} probe watches, {} dials/s",
         args.probes, args.dials_per_second
     );
-    let idle = measure(&server, &fleets, targets.echo, &args).await?;
+    let idle = measure(&servers, &fleets, targets.echo, &args).await?;
     // Said at once: a run that goes no further still tells this much.
     eprintln!(
         "   nodes connected in {:.1} s; server per node {:.1} KiB resident, {:.1} KiB heap; CPU idle {:.0}%; \
@@ -496,7 +628,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     eprintln!("== {watches} watches");
     let opening = Instant::now();
     fleets.ask("open").await?;
-    let opened = all_back(&server, &fleets, &args, watches, Duration::from_secs(300)).await;
+    let opened = all_back(&servers, &fleets, &args, watches, Duration::from_secs(300)).await;
     let opened_in = opening.elapsed();
     let opened = match opened {
         Ok(_) => format!("{:.1} s", opened_in.as_secs_f64()),
@@ -507,16 +639,25 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             format!("not within {:.0} s: {error}", opened_in.as_secs_f64())
         }
     };
-    let with_watches = server.memory().await?;
+    let with_watches = memory(&servers).await?;
 
     eprintln!("== loaded: {watches} watches, {} dials/s", args.dials_per_second);
-    let loaded = measure(&server, &fleets, targets.echo, &args).await?;
+    let loaded = measure(&servers, &fleets, targets.echo, &args).await?;
 
+    let failover = if servers.len() > 1 {
+        eprintln!("== kill {}", servers[servers.len() - 1].name);
+        Some(kill_one(&mut servers, &fleets, &args, targets.echo, watches).await?)
+    } else {
+        None
+    };
+
+    // With several servers, the one killed starts again: every agent's
+    // stream to it is back (the node tunnels stay where they moved).
     eprintln!("== restart");
     let broken_before = fleets.stats().await?.bulk_broken;
     let restarted = Instant::now();
-    server.restart(&layout)?;
-    let back_after = match all_back(&server, &fleets, &args, watches, Duration::from_secs(300)).await {
+    servers.last_mut().expect("a server").restart(&layout)?;
+    let back_after = match all_back(&servers, &fleets, &args, watches, Duration::from_secs(300)).await {
         Ok(_) => restarted.elapsed(),
         Err(error) => {
             eprintln!("{error}");
@@ -554,8 +695,15 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     } else {
         0.0
     };
+    // Memory and CPU are the servers' together: with several, each holds
+    // every agent's stream and some of the node tunnels.
+    let servers_said = if servers.len() == 1 {
+        "one server".to_owned()
+    } else {
+        format!("{} servers together", servers.len())
+    };
     println!(
-        "| cluster scale figure ({} nodes, {watches} captured watches, {} dials/s) | value |",
+        "| cluster scale figure ({} nodes, {watches} captured watches, {} dials/s, {servers_said}) | value |",
         args.nodes, args.dials_per_second
     );
     println!("|---|---:|");
@@ -628,6 +776,24 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         "| every node back after a server restart (streams, tunnels, watches re-established: {broken} broke) | {:.1} s |",
         back_after.as_secs_f64()
     );
+    if let Some(failover) = &failover {
+        println!(
+            "| one of {} servers killed: nodes it served (node tunnels with streams) / watches that broke | {:.0} / {} |",
+            servers.len(),
+            failover.nodes_moved,
+            failover.watches_broken
+        );
+        println!(
+            "| ... every node served by the others (tunnels answering, every watch re-established) | {} |",
+            failover.took
+        );
+        println!(
+            "| ... kube-apiserver's dials through another server meanwhile: done / failed; ms p50 / p99 / max | {} / {}; {} |",
+            failover.dials.count,
+            failover.dials_failed,
+            failover.dials.cells()
+        );
+    }
     // With the node role, every agent proves itself by certificate (the
     // control-plane ids need one, and the server takes no tokens beside a
     // cluster CA, as upstream's): a restart asks kube-apiserver nothing.

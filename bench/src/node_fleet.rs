@@ -73,7 +73,7 @@ pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
             captures: Default::default(),
             capture_port: 0,
             mark: 0,
-            server_host: "127.0.0.1".to_owned(),
+            server_hosts: NodeSettings::hosts_in_node_order(&args.server_hosts, &format!("node-{n}")),
             node_frontend_port: args.node_frontend_port,
             tls: Arc::new(tls),
             sync_interval: Duration::from_secs(1),
@@ -158,7 +158,7 @@ fn start_agent(
     let agent = pki.agent();
     let flags = konnectivity_agent::config::Args::try_parse_from([
         "proxy-agent".to_owned(),
-        "--proxy-server-host=127.0.0.1".to_owned(),
+        format!("--proxy-server-host={}", args.server_hosts.join(",")),
         format!("--proxy-server-port={}", args.server_port),
         format!("--ca-cert={}", pki.cluster_ca().display()),
         format!("--agent-cert={}", agent.cert.display()),

@@ -50,18 +50,26 @@ impl ClusterPki {
         }
     }
 
-    /// Makes every certificate the run needs in `dir`.
-    pub fn make(dir: &Path, control_plane_agents: usize, nodes: usize) -> anyhow::Result<ClusterPki> {
+    /// Makes every certificate the run needs in `dir`; the servers' one
+    /// names `server_hosts` too (servers behind one name share theirs).
+    pub fn make(
+        dir: &Path,
+        control_plane_agents: usize,
+        nodes: usize,
+        server_hosts: &[String],
+    ) -> anyhow::Result<ClusterPki> {
         std::fs::create_dir_all(dir.join("nodes"))?;
         let pki = ClusterPki { dir: dir.to_owned() };
         let cluster = authority("bench-cluster-ca")?;
         std::fs::write(pki.cluster_ca(), cluster.pem())?;
         let node_authority = authority("bench-node-client-ca")?;
         std::fs::write(pki.node_ca(), node_authority.pem())?;
+        let mut names = vec!["localhost", "127.0.0.1"];
+        names.extend(server_hosts.iter().map(String::as_str));
         leaf(
             &pki.server(),
             "proxy-server",
-            &["localhost", "127.0.0.1"],
+            &names,
             ExtendedKeyUsagePurpose::ServerAuth,
             &cluster,
         )?;
