@@ -292,15 +292,28 @@ impl ServerTunnels {
         let started = Instant::now();
         let mut reached: Vec<String> = Vec::new();
         let mut last_error = None;
-        // Several hosts (servers without a balancer): each in turn.
+        // Several hosts (servers listed without a balancer): each in turn,
+        // and each a server, so one that answered for another server is not
+        // asked again (every attempt that reaches a server costs it a TLS
+        // handshake: after a server's death, every node that had streams
+        // there searches at once). One that did not answer is asked again.
         let hosts = &self.settings.server_hosts;
-        for attempt in 1..=SEARCH_ATTEMPTS {
-            let host = &hosts[attempt % hosts.len()];
-            match connect_tunnel(&self.settings, host).await {
+        let mut elsewhere = vec![false; hosts.len()];
+        let mut attempts = 0;
+        for attempt in 0..SEARCH_ATTEMPTS {
+            let at = attempt % hosts.len();
+            if elsewhere.iter().all(|other| *other) {
+                break;
+            }
+            if elsewhere[at] {
+                continue;
+            }
+            attempts += 1;
+            match connect_tunnel(&self.settings, &hosts[at]).await {
                 Ok((tunnel, Some(id))) if id == server => {
                     tracing::info!(
                         server_id = server,
-                        attempts = attempt,
+                        attempts,
                         took = ?started.elapsed(),
                         "a connection of its own to the server that holds connections' streams (the node tunnel reached another)"
                     );
@@ -308,6 +321,7 @@ impl ServerTunnels {
                 }
                 // Dropped: the connection closes.
                 Ok((_, Some(other))) => {
+                    elsewhere[at] = hosts.len() > 1;
                     if !reached.contains(&other) {
                         reached.push(other);
                     }
@@ -321,7 +335,7 @@ impl ServerTunnels {
             }
         }
         Err(format!(
-            "no connection to {}:{} reached server {server} in {SEARCH_ATTEMPTS} attempts (reached: {}{})",
+            "no connection to {}:{} reached server {server} in {attempts} attempts (reached: {}{})",
             hosts.join(","),
             self.settings.node_frontend_port,
             if reached.is_empty() {
