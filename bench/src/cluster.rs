@@ -48,6 +48,10 @@ use crate::stack::{self, Layout, Proc, cpu_ticks, raise_descriptor_limit, scrape
 const AGENTS: &str = "konnectivity_network_proxy_server_ready_backend_connections";
 const HEAP: &str = "konnectivity_network_proxy_server_runtime_heap_bytes";
 const NODES: &str = "konnectivity_network_proxy_server_node_frontend_nodes";
+/// The server's view of a dial: DIAL_REQ sent until the agent's DIAL_RSP.
+const DIALS: &str = "konnectivity_network_proxy_server_dial_duration_seconds_count";
+const DIALS_WITHIN_HALF_SECOND: &str =
+    "konnectivity_network_proxy_server_dial_duration_seconds_bucket{le=\"0.5\"}";
 
 /// Where the run's servers listen: with one, loopback's usual address; with
 /// several, an address each, all on the same ports (as control-plane
@@ -370,6 +374,11 @@ struct Failover {
     /// kube-apiserver's dials through another server meanwhile.
     dials: Spread,
     dials_failed: usize,
+    /// Direct TCP dials meanwhile.
+    direct: Spread,
+    /// The dials the other server made meanwhile, and how many of them
+    /// waited over 0.5 s for the agent's answer (the agent's share).
+    server_dials: (f64, f64),
 }
 
 /// Kills the last of `servers` (SIGKILL, as a crashed machine's), and waits
@@ -392,10 +401,21 @@ async fn kill_one(
     let route = Route::HttpConnect {
         uds: others[0].uds.clone(),
     };
-    let (back, (delays, dials_failed)) = tokio::join!(
+    let server_view = || async {
+        let all = others[0].metric(DIALS).await.unwrap_or(0.0);
+        let quick = others[0].metric(DIALS_WITHIN_HALF_SECOND).await.unwrap_or(0.0);
+        (all, all - quick)
+    };
+    let before = server_view().await;
+    // Half through another server, half direct: what the machine itself
+    // did meanwhile (every fleet process reconnects and re-watches).
+    let half = (args.dials_per_second / 2).max(1);
+    let (back, (delays, dials_failed), (direct, _)) = tokio::join!(
         all_back(others, fleets, args, watches, Duration::from_secs(300)),
-        dials(route, echo, args.dials_per_second, Duration::from_secs(10)),
+        dials(route, echo, half, Duration::from_secs(10)),
+        dials(Route::Direct, echo, half, Duration::from_secs(10)),
     );
+    let after = server_view().await;
     let took = match back {
         Ok(took) => format!("{:.1} s", took.as_secs_f64()),
         Err(error) => {
@@ -409,6 +429,8 @@ async fn kill_one(
         took,
         dials: Spread::of(delays),
         dials_failed,
+        direct: Spread::of(direct),
+        server_dials: (after.0 - before.0, after.1 - before.1),
     })
 }
 
@@ -792,6 +814,14 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             failover.dials.count,
             failover.dials_failed,
             failover.dials.cells()
+        );
+        println!(
+            "| ... the same, direct TCP (the machine meanwhile) | {} |",
+            failover.direct.cells()
+        );
+        println!(
+            "| ... of the server's dials meanwhile, answered by the agent after 0.5 s | {:.0} of {:.0} |",
+            failover.server_dials.1, failover.server_dials.0
         );
     }
     // With the node role, every agent proves itself by certificate (the
