@@ -479,34 +479,16 @@ mod tests {
     /// stayed for good.
     #[tokio::test]
     async fn a_dial_given_up_with_its_answer_unread_closes_the_agents_connection() {
-        use crate::backend::{Announced, BackendId, Queues};
+        use crate::backend::session::testing::{RunningSession, running_session};
         use futures_util::StreamExt;
-        use konnectivity_proto::{Frame, Packet};
-        let metrics = Arc::new(ServerMetrics::default());
-        let registry = Arc::new(Registry::new(
-            vec![crate::backend::strategy::Strategy::Default],
-            metrics.clone(),
-        ));
-        let announced = Announced {
-            agent_id: "agent".to_owned(),
-            extensions: konnectivity_mux::Extensions::FlowControl,
-            ..Announced::default()
-        };
-        let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
-        let Queues {
+        use konnectivity_proto::Frame;
+        let RunningSession {
+            registry,
+            metrics,
             mut to_agent,
-            commands,
-        } = queues;
-        registry.add(backend.clone());
-        let (from_agent, inbound) = tokio::sync::mpsc::channel::<Result<Packet, tonic::Status>>(16);
-        tokio::spawn(crate::backend::session::run(
-            backend.clone(),
-            tokio_stream::wrappers::ReceiverStream::new(inbound),
-            commands,
-            registry.clone(),
-            metrics.clone(),
-            None,
-        ));
+            from_agent,
+            ..
+        } = running_session("agent", konnectivity_mux::Extensions::FlowControl, None);
         let dialer = Dialer {
             registry,
             metrics: metrics.clone(),

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use konnectivity_mux::outbound::Ahead;
+use konnectivity_mux::outbound::{Ahead, SessionSendError};
 use konnectivity_mux::{Connections, Delivery, Route};
 use konnectivity_proto::{ConnectId, DialId, Frame, Packet, PacketType, ResumeEntry};
 use konnectivity_telemetry::metrics::GaugeGuard;
@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 
 use super::registry::Registry;
 use super::resume::{Attachment, Inbound, Takeover, Ticket};
-use super::{AGENT_DISCONNECTED, Backend, BackendGone, Command, Event};
+use super::{AGENT_DISCONNECTED, Backend, Command, Event};
 use crate::metrics::{DialFailure, Established, Segment, ServerMetrics};
 
 struct PendingDial {
@@ -45,9 +45,6 @@ struct Session {
     peer_ended: bool,
     /// Told when the agent drains: which of its streams is chosen changes.
     registry: Arc<Registry>,
-    /// A send of the session's own found the stream gone (its response body
-    /// dropped) with the queue full: the stream was lost.
-    stream_gone: std::sync::atomic::AtomicBool,
 }
 
 struct Handshake {
@@ -104,7 +101,6 @@ pub async fn run<S>(
         handshake: None,
         peer_ended: false,
         registry: registry.clone(),
-        stream_gone: std::sync::atomic::AtomicBool::new(false),
     };
     let mut inbound: Inbound = Box::pin(inbound);
     let reason = loop {
@@ -238,14 +234,15 @@ impl Session {
                     None => return Served::Ended("agent closed the stream".to_owned()),
                 },
             };
-            if step.is_err() {
-                if self.stream_gone.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            match step {
+                Ok(()) => {}
+                Err(SessionSendError::StreamGone) => {
                     return Served::Lost(
                         "the agent's stream is gone (its response body was dropped) with packets still to send"
                             .to_owned(),
                     );
                 }
-                return Served::Ended("outbound queue closed".to_owned());
+                Err(SessionSendError::Closed) => return Served::Ended("outbound queue closed".to_owned()),
             }
         }
     }
@@ -354,7 +351,7 @@ impl Session {
         );
     }
 
-    async fn on_command(&mut self, command: Command) -> Result<(), BackendGone> {
+    async fn on_command(&mut self, command: Command) -> Result<(), SessionSendError> {
         match command {
             Command::Dial {
                 dial_id,
@@ -398,7 +395,7 @@ impl Session {
         }
     }
 
-    async fn on_packet(&mut self, packet: Packet) -> Result<(), BackendGone> {
+    async fn on_packet(&mut self, packet: Packet) -> Result<(), SessionSendError> {
         let frame = match Frame::try_from(packet) {
             Ok(frame) => frame,
             Err(error) => {
@@ -478,7 +475,7 @@ impl Session {
         &mut self,
         dial_id: DialId,
         result: Result<ConnectId, String>,
-    ) -> Result<(), BackendGone> {
+    ) -> Result<(), SessionSendError> {
         let Some(pending) = self.pending.remove(&dial_id) else {
             // The frontend cancelled while the agent dialed. Upstream leaks
             // the agent's connection here; close it.
@@ -518,7 +515,7 @@ impl Session {
         connect_id: ConnectId,
         data: bytes::Bytes,
         offset: Option<u64>,
-    ) -> Result<(), BackendGone> {
+    ) -> Result<(), SessionSendError> {
         let metrics = &self.metrics;
         let blocked = || GaugeGuard::new(&metrics.full_receive_channels("Connect"));
         match self.connections.deliver(connect_id, data, offset, blocked).await {
@@ -547,7 +544,7 @@ impl Session {
         entry: konnectivity_mux::Entry<Event, Established>,
         error: String,
         kind: PacketType,
-    ) -> Result<(), BackendGone> {
+    ) -> Result<(), SessionSendError> {
         tracing::warn!(agent_id = %self.backend.agent_id, %connect_id, %error, "closing connection");
         self.metrics
             .stream_errors
@@ -557,7 +554,7 @@ impl Session {
     }
 
     /// Tells the agent to close a connection this side no longer has.
-    async fn close_on_agent(&mut self, connect_id: ConnectId) -> Result<(), BackendGone> {
+    async fn close_on_agent(&mut self, connect_id: ConnectId) -> Result<(), SessionSendError> {
         self.connections.closing_without_entry(connect_id);
         self.send(Frame::CloseRequest { connect_id }).await
     }
@@ -565,15 +562,71 @@ impl Session {
     /// The session's own packets: it reads its stream in the same task, so
     /// it must not wait for room in the queue of a stream that is gone
     /// ([`konnectivity_mux::outbound::Outbound::send_from_session`]).
-    async fn send(&self, frame: Frame) -> Result<(), BackendGone> {
+    /// Fails with the stream gone (its response body dropped: the stream is
+    /// lost) or the queue closed (the backend was closed: the session ends).
+    async fn send(&self, frame: Frame) -> Result<(), SessionSendError> {
         self.backend.metrics.packet(Segment::ToAgent, frame.kind());
-        match self.backend.outbound.send_from_session(frame.into()).await {
-            Ok(()) => Ok(()),
-            Err(konnectivity_mux::outbound::SessionSendError::StreamGone) => {
-                self.stream_gone.store(true, std::sync::atomic::Ordering::Relaxed);
-                Err(BackendGone)
-            }
-            Err(konnectivity_mux::outbound::SessionSendError::Closed) => Err(BackendGone),
+        self.backend.outbound.send_from_session(frame.into()).await
+    }
+}
+
+/// A backend with its session running, for the unit tests of what a
+/// session does with frontends' commands and an agent's packets (here and
+/// in the frontends' modules).
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+    use crate::backend::strategy::Strategy;
+    use crate::backend::{Announced, BackendId, Queues};
+    use konnectivity_mux::outbound::Writer;
+
+    pub(crate) struct RunningSession {
+        pub backend: Arc<Backend>,
+        /// Holds the backend (frontends find it there).
+        pub registry: Arc<Registry>,
+        pub metrics: Arc<ServerMetrics>,
+        /// What the session sends the agent (a resumed session sends on the
+        /// stream it took over instead).
+        pub to_agent: Writer,
+        /// The agent's stream into the session: an error loses the stream.
+        pub from_agent: mpsc::Sender<Result<Packet, tonic::Status>>,
+        pub session: tokio::task::JoinHandle<()>,
+    }
+
+    /// Agent `agent_id`, which announced `extensions`, in a registry of its
+    /// own with its session running; a session given `resume` waits for its
+    /// stream to be taken over when that stream is lost.
+    pub(crate) fn running_session(
+        agent_id: &str,
+        extensions: konnectivity_mux::Extensions,
+        resume: Option<Resume>,
+    ) -> RunningSession {
+        let metrics = Arc::new(ServerMetrics::default());
+        let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
+        let announced = Announced {
+            agent_id: agent_id.to_owned(),
+            extensions,
+            ..Announced::default()
+        };
+        let (backend, Queues { to_agent, commands }) =
+            Backend::open(BackendId(1), announced, metrics.clone());
+        registry.add(backend.clone());
+        let (from_agent, inbound) = mpsc::channel(64);
+        let session = tokio::spawn(run(
+            backend.clone(),
+            tokio_stream::wrappers::ReceiverStream::new(inbound),
+            commands,
+            registry.clone(),
+            metrics.clone(),
+            resume,
+        ));
+        RunningSession {
+            backend,
+            registry,
+            metrics,
+            to_agent,
+            from_agent,
+            session,
         }
     }
 }
@@ -581,8 +634,6 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::strategy::Strategy;
-    use crate::backend::{Announced, BackendId, Queues};
     use tokio_stream::wrappers::ReceiverStream;
 
     fn gauge(metrics: &ServerMetrics) -> i64 {
@@ -599,15 +650,6 @@ mod tests {
     async fn a_resumed_session_reads_the_agents_resume_list_before_serving_dials() {
         use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
         use futures_util::StreamExt;
-        let metrics = Arc::new(ServerMetrics::default());
-        let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
-        let announced = Announced {
-            agent_id: "agent".to_owned(),
-            extensions: konnectivity_mux::Extensions::Resume,
-            ..Announced::default()
-        };
-        let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
-        let Queues { to_agent, commands } = queues;
         let identity = PeerIdentity {
             agent_id: "agent".to_owned(),
             proof: "test".to_owned(),
@@ -618,18 +660,16 @@ mod tests {
             .find(&[ticket.token.as_str()], &identity)
             .unwrap()
             .unwrap();
-        let (first_stream, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(4);
-        tokio::spawn(run(
-            backend.clone(),
-            ReceiverStream::new(inbound),
-            commands,
-            registry,
-            metrics.clone(),
-            Some(Resume {
-                ticket,
-                timeout: Duration::from_secs(60),
-            }),
-        ));
+        let resume = Resume {
+            ticket,
+            timeout: Duration::from_secs(60),
+        };
+        let testing::RunningSession {
+            backend,
+            to_agent,
+            from_agent: first_stream,
+            ..
+        } = testing::running_session("agent", konnectivity_mux::Extensions::Resume, Some(resume));
         // The first stream is lost: its writer goes with it.
         first_stream
             .send(Err(tonic::Status::unavailable("connection reset")))
@@ -685,26 +725,14 @@ mod tests {
     /// `full_receive_channels` shows it while it lasts.
     #[tokio::test]
     async fn a_full_connection_of_an_upstream_agent_shows_in_full_receive_channels() {
-        let metrics = Arc::new(ServerMetrics::default());
-        let registry = Arc::new(Registry::new(vec![Strategy::Default], metrics.clone()));
-        let announced = Announced {
-            agent_id: "upstream-agent".to_owned(),
-            ..Announced::default()
-        };
-        let (backend, queues) = Backend::open(BackendId(1), announced, metrics.clone());
-        let Queues {
+        let testing::RunningSession {
+            backend,
+            metrics,
             mut to_agent,
-            commands,
-        } = queues;
-        let (from_agent, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(64);
-        let session = tokio::spawn(run(
-            backend.clone(),
-            ReceiverStream::new(inbound),
-            commands,
-            registry,
-            metrics.clone(),
-            None,
-        ));
+            from_agent,
+            session,
+            ..
+        } = testing::running_session("upstream-agent", konnectivity_mux::Extensions::Upstream, None);
 
         let (route, mut frontend, _) = konnectivity_mux::connection(konnectivity_mux::Extensions::Upstream);
         let dial_id = DialId::new(7);
