@@ -42,7 +42,7 @@ use tokio::net::TcpStream;
 use crate::args::ClusterArgs;
 use crate::pki::ClusterPki;
 use crate::route::Route;
-use crate::stack::{self, Layout, Proc, cpu_ticks, raise_descriptor_limit, scrape};
+use crate::stack::{self, Layout, Proc, cpu_ticks, raise_descriptor_limit, scrape_at};
 
 /// The server's metrics this run reads.
 const AGENTS: &str = "konnectivity_network_proxy_server_ready_backend_connections";
@@ -77,7 +77,10 @@ struct ClusterServer {
     /// `--server-wrapper`.
     wrapper: Option<PathBuf>,
     args: Vec<String>,
-    health: u16,
+    /// On the server's own address: a port of 127.0.0.1 left free by a
+    /// killed server is soon taken by one of the run's 100,000 outgoing
+    /// connections, and the server would not start again.
+    health: SocketAddr,
     uds: PathBuf,
 }
 
@@ -99,7 +102,8 @@ impl ClusterServer {
                 layout.work.join(format!("kas-{k}.socket")),
             )
         };
-        let health = stack::free_port()?;
+        let ip: std::net::IpAddr = host.parse().context("a server's address")?;
+        let health = SocketAddr::new(ip, stack::free_port()?);
         let server = pki.server();
         let control_plane: Vec<String> = (0..args.control_plane_agents)
             .map(|k| format!("cp-{k}"))
@@ -121,9 +125,10 @@ impl ClusterServer {
             format!("--node-client-ca-cert={}", pki.node_ca().display()),
             format!("--node-allowed-destinations={}", allowed.join(",")),
             format!("--control-plane-agent-ids={}", control_plane.join(",")),
-            format!("--health-port={health}"),
-            "--health-bind-address=127.0.0.1".to_owned(),
+            format!("--health-port={}", health.port()),
+            format!("--health-bind-address={host}"),
             format!("--admin-port={}", stack::free_port()?),
+            format!("--admin-bind-address={host}"),
         ];
         let proc = spawn_server(layout, &name, args.server_wrapper.as_deref(), &flags)?;
         Ok(ClusterServer {
@@ -149,7 +154,7 @@ impl ClusterServer {
     }
 
     async fn metric(&self, name: &str) -> Option<f64> {
-        let text = scrape(self.health).await.ok()?;
+        let text = scrape_at(self.health).await.ok()?;
         text.lines()
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|value| value.trim().parse().ok())

@@ -297,7 +297,12 @@ pub fn cpu_ticks(proc: &Proc) -> anyhow::Result<u64> {
 
 /// The Prometheus text a process serves on loopback `port`'s /metrics.
 pub async fn scrape(port: u16) -> anyhow::Result<String> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    scrape_at(SocketAddr::from(([127, 0, 0, 1], port))).await
+}
+
+/// [`scrape`] of a listener on another address.
+pub async fn scrape_at(addr: SocketAddr) -> anyhow::Result<String> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
     let request = "GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
     stream.write_all(request.as_bytes()).await?;
     let mut response = String::new();
