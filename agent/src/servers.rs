@@ -194,14 +194,15 @@ pub(crate) async fn serve(
                 metrics.known_server_count.set(wanted as i64);
                 let stream = match parked.remove(&stream.server_id) {
                     Some(task) => match task.resume(stream, &target, sync.probe_interval, &report_tx) {
-                        Ok(task) => {
+                        Resumed::Yes(task) => {
                             held.insert(task.server_id.clone(), task);
                             backoff.reset();
                             continue;
                         }
                         // Not resumed (this server no longer resumes): the
                         // lost stream's session ends; this one is new.
-                        Err(stream) => *stream,
+                        Resumed::Not(stream) => *stream,
+                        Resumed::SessionEnded => continue,
                     },
                     None => stream,
                 };
@@ -531,12 +532,16 @@ pub(crate) async fn serve_each(
                 let dial = ServerTarget { host: slot.host.clone(), ..target.clone() }.at(addr);
                 let result = match (parked, result) {
                     (Some(task), Ok(stream)) => match task.resume(stream, &dial, sync.probe_interval, &report_tx) {
-                        Ok(task) => {
+                        Resumed::Yes(task) => {
                             slot.state = SlotState::Held(task);
                             slot.backoff.reset();
                             continue;
                         }
-                        Err(stream) => Ok(*stream),
+                        Resumed::Not(stream) => Ok(*stream),
+                        Resumed::SessionEnded => {
+                            slot.retry_at = Instant::now();
+                            continue;
+                        }
                     },
                     (Some(_), Err(ConnectError::ResumeRefused { server_id, .. })) => {
                         tracing::warn!(%addr, %server_id, "proxy-server refused to resume the lost stream; its connections close");
@@ -758,6 +763,18 @@ async fn watch_server(probe: Option<Probe>, reports: &mpsc::UnboundedSender<Repo
     }
 }
 
+/// What became of a stream offered to a lost session.
+enum Resumed {
+    /// The session serves it.
+    Yes(SessionTask),
+    /// The server did not resume the session on it (the session ends); the
+    /// stream is a new one.
+    Not(Box<ServerStream>),
+    /// The server resumed it, but the session had ended: the stream is
+    /// dropped, and the server is dialed again at once.
+    SessionEnded,
+}
+
 /// A session's task; dropping it (the agent stopping, or giving up a lost
 /// stream) ends the session.
 struct SessionTask {
@@ -781,15 +798,25 @@ impl SessionTask {
         target: &ServerTarget,
         probe_interval: Duration,
         reports: &mpsc::UnboundedSender<Report>,
-    ) -> Result<SessionTask, Box<ServerStream>> {
+    ) -> Resumed {
         let Some((_, attach)) = self.resume.as_ref().filter(|_| stream.resumed) else {
-            return Err(Box::new(stream));
+            return Resumed::Not(Box::new(stream));
         };
-        tracing::info!(server_id = %stream.server_id, "reached the server of the lost stream again; resuming it");
-        // If the session ended meanwhile, the stream ends with the attempt
-        // and the server finds that out.
-        let _ = attach.try_send(attached(stream, target, probe_interval, reports));
-        Ok(self)
+        // The session may have given up while the dial was under way (its
+        // --resume-timeout ran out): the server resumed a session this agent
+        // no longer has. Dropping the stream tells the server; holding the
+        // ended task in its place would leave that server undialed for good
+        // (its report that it ended came while the dial was under way).
+        if self.task.is_finished()
+            || attach
+                .try_send(attached(stream, target, probe_interval, reports))
+                .is_err()
+        {
+            tracing::info!(server_id = %self.server_id, "the server resumed a lost stream whose session had given up; connecting afresh");
+            return Resumed::SessionEnded;
+        }
+        tracing::info!(server_id = %self.server_id, "reached the server of the lost stream again; resumed it");
+        Resumed::Yes(self)
     }
 }
 

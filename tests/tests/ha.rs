@@ -165,6 +165,65 @@ async fn probes_drop_a_server_that_stops_answering() {
     tunnel_works(&servers[1], &target.addr.to_string()).await;
 }
 
+/// An agent whose stream was lost dials its server again with the lost
+/// session's token. When the session gave up while that dial was under way
+/// (its --resume-timeout ran out: here a stopped server holds the dial in its
+/// TLS handshake) and the server resumes it anyway, the agent drops that
+/// stream and connects afresh at once. Before, an agent dialing every
+/// address held the ended session in the stream's place and never dialed
+/// that server again (the two-server 5,000-node run: 781 agents without a
+/// stream to the surviving server for minutes). One address, dialed as
+/// every address is (`--dial-every-address`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_resumed_for_a_session_that_gave_up_is_replaced_by_a_fresh_one() {
+    let dir = TempDir::new("konn-ha");
+    let pki = Pki::new(dir.path());
+    let server = counting_server(&dir, &pki, "server-1", 1).await;
+    let agent = Agent::start(
+        dir.path(),
+        &pki,
+        server.agent_port,
+        "agent-1",
+        &[
+            "--dial-every-address".to_owned(),
+            "--probe-interval=200ms".to_owned(),
+            "--resume-timeout=1s".to_owned(),
+        ],
+    );
+    let agent_port = agent.health_port;
+    wait_until(Duration::from_secs(20), "a stream to the server", || async {
+        metric(agent_port, AGENT_SERVERS).await == Some(1.0) && connected(&server).await == 1.0
+    })
+    .await;
+
+    server.proc.signal("STOP");
+    // Its PINGs unanswered for 5 s: the stream is lost, and the agent dials
+    // again at once; the stopped server takes the TCP connection (the
+    // kernel does) and leaves the TLS handshake hanging.
+    wait_until(Duration::from_secs(9), "the agent to lose its stream", || async {
+        metric(agent_port, AGENT_SERVERS).await == Some(0.0)
+    })
+    .await;
+    // Past the agent's --resume-timeout: the session gives up.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.proc.signal("CONT");
+    // The hanging dial completes and the server resumes the session on it.
+    let log = || agent.proc.log_text();
+    wait_until(
+        Duration::from_secs(15),
+        "the agent to hold a stream again",
+        || async { metric(agent_port, AGENT_SERVERS).await == Some(1.0) && connected(&server).await == 1.0 },
+    )
+    .await;
+    let target = targets::blob().await;
+    tunnel_works(&server, &target.addr.to_string()).await;
+    let said = log();
+    assert!(
+        said.contains("whose session had given up"),
+        "the case under test did not happen:\n{said}"
+    );
+}
+
 /// The first server an agent meets says there is one server; the second
 /// says two (a fleet being scaled up). Without --sync-forever the agent
 /// stops at one; with it, it keeps looking now and then and finds the other.
