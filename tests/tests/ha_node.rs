@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crate::handover::{REPLACEMENTS, roll_with_connections};
 use crate::support::kas::*;
 use crate::support::netns::root_or_skip;
+use crate::support::procs::Proc;
 use crate::support::targets::{self, numbered_lines, pauses_during};
 
 /// What a node agent logs when it found a server its connections need.
@@ -44,6 +45,52 @@ fn first_server(log: &str) -> usize {
 async fn streams_target(topology: &Topology) -> targets::Target {
     targets::blob_on(tokio::net::TcpListener::from_std(topology.control_plane.bind_tcp(STREAMS)).unwrap())
         .await
+}
+
+/// A connection's numbered lines ([`numbered_lines`]), running.
+type Lines = tokio::task::JoinHandle<Result<Vec<(Instant, Duration)>, String>>;
+
+/// `n` connections from the node through its capture, each carrying
+/// numbered lines until `stop`.
+fn open_lines(topology: &Topology, n: usize, stop: &Arc<AtomicBool>) -> Vec<Lines> {
+    (0..n)
+        .map(|_| {
+            let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
+            tokio::spawn(numbered_lines(stream, stop.clone()))
+        })
+        .collect()
+}
+
+/// Every one of `connections`, whose server died, ends with an error within
+/// 10 s (not at `--resume-timeout`).
+async fn each_ends_with_its_server(connections: Vec<Lines>, agent: &Proc) {
+    for (i, connection) in connections.into_iter().enumerate() {
+        let ended = tokio::time::timeout(Duration::from_secs(10), connection)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "connection {i} at the dead server still hangs after 10 s:\n{}",
+                    agent.log_text()
+                )
+            })
+            .unwrap();
+        assert!(ended.is_err(), "connection {i} went on without its server");
+    }
+}
+
+/// A new connection through the capture carries lines for half a second.
+async fn a_new_connection_works(topology: &Topology, agent: &Proc) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut new = open_lines(topology, 1, &stop);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let lines = new
+        .pop()
+        .unwrap()
+        .await
+        .unwrap()
+        .unwrap_or_else(|broke| panic!("a new connection: {broke}\n{}", agent.log_text()));
+    assert!(lines.len() >= 10, "{} lines", lines.len());
 }
 
 /// Behind one address, two servers (an HA control plane's load balancer,
@@ -127,10 +174,7 @@ async fn cuts_of_the_node_tunnel_resume_each_connection_at_its_own_server() {
     let stop = Arc::new(AtomicBool::new(false));
     let mut long_lived = Vec::new();
     for cut in 0..CUTS {
-        for _ in 0..3 {
-            let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
-            long_lived.push(tokio::spawn(numbered_lines(stream, stop.clone())));
-        }
+        long_lived.extend(open_lines(&topology, 3, &stop));
         tokio::time::sleep(Duration::from_millis(500)).await;
         assert!(
             cut_node_tunnels(&topology) >= 1,
@@ -178,11 +222,7 @@ async fn a_connection_whose_server_died_is_reset_and_only_it() {
     topology.wait_node_ready().await;
     let first = first_server(&agent.log_text());
     let (stop_first, stop_second) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-    let mut at_first = Vec::new();
-    for _ in 0..5 {
-        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
-        at_first.push(tokio::spawn(numbered_lines(stream, stop_first.clone())));
-    }
+    let at_first = open_lines(&topology, 5, &stop_first);
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(cut_node_tunnels(&topology) >= 1, "no connection to kill");
     let agent_log = &agent;
@@ -193,39 +233,16 @@ async fn a_connection_whose_server_died_is_reset_and_only_it() {
     )
     .await;
     topology.wait_node_ready().await;
-    let mut at_second = Vec::new();
-    for _ in 0..5 {
-        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
-        at_second.push(tokio::spawn(numbered_lines(stream, stop_second.clone())));
-    }
+    let at_second = open_lines(&topology, 5, &stop_second);
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     topology.kill_server(first);
     let killed = Instant::now();
-    for (i, connection) in at_first.into_iter().enumerate() {
-        let ended = tokio::time::timeout(Duration::from_secs(10), connection)
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "connection {i} at the dead server still hangs after 10 s:\n{}",
-                    agent.log_text()
-                )
-            })
-            .unwrap();
-        assert!(ended.is_err(), "connection {i} went on without its server");
-    }
+    each_ends_with_its_server(at_first, &agent).await;
     let ended_after = killed.elapsed();
     // New connections work meanwhile, through the server that lives.
-    let stop_new = Arc::new(AtomicBool::new(false));
-    let new = tokio::spawn(numbered_lines(
-        topology.node.connect_tcp(STREAMS_VIP).unwrap(),
-        stop_new.clone(),
-    ));
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_new.store(true, Ordering::Relaxed);
+    a_new_connection_works(&topology, &agent).await;
     stop_second.store(true, Ordering::Relaxed);
-    let new_lines = new.await.unwrap().expect("a new connection works");
-    assert!(new_lines.len() >= 10, "{} lines", new_lines.len());
     for (i, connection) in at_second.into_iter().enumerate() {
         let lines = connection.await.unwrap().unwrap_or_else(|broke| {
             panic!(
@@ -262,11 +279,7 @@ async fn with_servers_listed_the_node_tunnel_moves_to_another_when_its_server_di
     topology.wait_node_ready().await;
     let first = first_server(&agent.log_text());
     let stop = Arc::new(AtomicBool::new(false));
-    let mut at_first = Vec::new();
-    for _ in 0..5 {
-        let stream = topology.node.connect_tcp(STREAMS_VIP).unwrap();
-        at_first.push(tokio::spawn(numbered_lines(stream, stop.clone())));
-    }
+    let at_first = open_lines(&topology, 5, &stop);
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let survivor_streams = |topology: &Topology| {
@@ -294,18 +307,7 @@ async fn with_servers_listed_the_node_tunnel_moves_to_another_when_its_server_di
     .await;
     let moved_after = killed.elapsed();
     topology.wait_node_ready().await;
-    for (i, connection) in at_first.into_iter().enumerate() {
-        let ended = tokio::time::timeout(Duration::from_secs(10), connection)
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "connection {i} at the dead server still hangs:\n{}",
-                    agent.log_text()
-                )
-            })
-            .unwrap();
-        assert!(ended.is_err(), "connection {i} went on without its server");
-    }
+    each_ends_with_its_server(at_first, &agent).await;
     // The survivor saw the new tunnel's probe, the five connections' resumes
     // (refused: their tokens name the dead server) and one search's probe:
     // it answers for another server, and a listed host is one server, so it
@@ -317,18 +319,7 @@ async fn with_servers_listed_the_node_tunnel_moves_to_another_when_its_server_di
         "{seen} streams at the survivor:\n{}",
         agent.log_text()
     );
-    let stop_new = Arc::new(AtomicBool::new(false));
-    let new = tokio::spawn(numbered_lines(
-        topology.node.connect_tcp(STREAMS_VIP).unwrap(),
-        stop_new.clone(),
-    ));
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_new.store(true, Ordering::Relaxed);
-    let lines = new
-        .await
-        .unwrap()
-        .unwrap_or_else(|broke| panic!("a new connection after the move: {broke}\n{}", agent.log_text()));
-    assert!(lines.len() >= 10, "{} lines", lines.len());
+    a_new_connection_works(&topology, &agent).await;
     println!(
         "the node tunnel reached the other server {moved_after:?} after the kill; {seen} streams at it meanwhile"
     );
