@@ -17,7 +17,7 @@ pub mod chunk;
 mod connection;
 mod extensions;
 pub mod flow;
-mod mailbox;
+pub mod mailbox;
 pub mod outbound;
 pub mod replay;
 

@@ -1,10 +1,13 @@
-//! A connection's mailbox: the messages its route hands its consumer.
+//! A mailbox: an unbounded queue from one or more senders to one receiver
+//! that holds nothing until a message arrives, and then only what is in
+//! flight.
 //!
-//! One sender (the route), one receiver (the port), unbounded: DATA in it is
-//! bounded by the receive window. tokio's mpsc channel allocates its first
-//! block of 32 slots when it is made, over a kilobyte per connection held
-//! by every idle tunnel on both ends; this queue holds nothing until a
-//! message arrives and then only what is in flight.
+//! For what every idle connection or session keeps: tokio's mpsc channel
+//! allocates its first block of 32 slots and half a KiB of cache-padded
+//! state when it is made, over a kilobyte per connection held by every idle
+//! tunnel on both ends. Its users bound what is in it: a connection's route
+//! hands its consumer DATA within the receive window; a resumable session
+//! receives the streams that take it over, one per resume.
 
 use std::collections::VecDeque;
 use std::future::poll_fn;
@@ -12,11 +15,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
 /// A mailbox's two ends.
-pub(crate) fn mailbox<M>() -> (Sender<M>, Receiver<M>) {
+pub fn mailbox<M>() -> (Sender<M>, Receiver<M>) {
     let shared = Arc::new(Mutex::new(Queue {
         messages: VecDeque::new(),
         waiting: None,
-        sender_gone: false,
+        senders: 1,
         receiver_gone: false,
     }));
     (
@@ -32,7 +35,8 @@ struct Queue<M> {
     messages: VecDeque<M>,
     /// The receiver, waiting for a message.
     waiting: Option<Waker>,
-    sender_gone: bool,
+    /// Senders alive: the receiver sees the end once none is.
+    senders: usize,
     receiver_gone: bool,
 }
 
@@ -41,14 +45,39 @@ fn lock<M>(shared: &Mutex<Queue<M>>) -> MutexGuard<'_, Queue<M>> {
     shared.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-#[derive(Debug)]
-pub(crate) struct Sender<M> {
+pub struct Sender<M> {
     shared: Arc<Mutex<Queue<M>>>,
+}
+
+// By hand: a mailbox is shown by its state, whatever its messages are.
+impl<M> std::fmt::Debug for Sender<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("mailbox::Sender").finish_non_exhaustive()
+    }
+}
+
+impl<M> std::fmt::Debug for Receiver<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let queue = lock(&self.shared);
+        f.debug_struct("mailbox::Receiver")
+            .field("messages", &queue.messages.len())
+            .field("senders", &queue.senders)
+            .finish()
+    }
+}
+
+impl<M> Clone for Sender<M> {
+    fn clone(&self) -> Self {
+        lock(&self.shared).senders += 1;
+        Sender {
+            shared: self.shared.clone(),
+        }
+    }
 }
 
 impl<M> Sender<M> {
     /// Queues `message`; hands it back if the receiver is gone.
-    pub(crate) fn send(&self, message: M) -> Result<(), M> {
+    pub fn send(&self, message: M) -> Result<(), M> {
         let waiting = {
             let mut queue = lock(&self.shared);
             if queue.receiver_gone {
@@ -68,8 +97,11 @@ impl<M> Drop for Sender<M> {
     fn drop(&mut self) {
         let waiting = {
             let mut queue = lock(&self.shared);
-            queue.sender_gone = true;
-            queue.waiting.take()
+            queue.senders -= 1;
+            match queue.senders {
+                0 => queue.waiting.take(),
+                _ => None,
+            }
         };
         if let Some(waker) = waiting {
             waker.wake();
@@ -77,21 +109,20 @@ impl<M> Drop for Sender<M> {
     }
 }
 
-#[derive(Debug)]
-pub(crate) struct Receiver<M> {
+pub struct Receiver<M> {
     shared: Arc<Mutex<Queue<M>>>,
 }
 
 impl<M> Receiver<M> {
-    /// The next message; `None` once the sender is gone and every message
-    /// it sent was received.
-    pub(crate) async fn recv(&mut self) -> Option<M> {
+    /// The next message; `None` once every sender is gone and every message
+    /// sent was received.
+    pub async fn recv(&mut self) -> Option<M> {
         poll_fn(|cx| self.poll_recv(cx)).await
     }
 
     /// Stops receiving, in one step: the sender's later sends fail, and
     /// what it sent and was not received is returned.
-    pub(crate) fn close(&mut self) -> VecDeque<M> {
+    pub fn close(&mut self) -> VecDeque<M> {
         let mut queue = lock(&self.shared);
         queue.receiver_gone = true;
         queue.waiting = None;
@@ -99,12 +130,12 @@ impl<M> Receiver<M> {
     }
 
     /// [`Receiver::recv`], polled by hand.
-    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<M>> {
+    pub fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Option<M>> {
         let mut queue = lock(&self.shared);
         if let Some(message) = queue.messages.pop_front() {
             return Poll::Ready(Some(message));
         }
-        if queue.sender_gone {
+        if queue.senders == 0 {
             return Poll::Ready(None);
         }
         match &mut queue.waiting {
@@ -154,6 +185,18 @@ mod tests {
         tokio::task::yield_now().await;
         drop(sender);
         assert_eq!(waiting.await.unwrap(), (Some("one"), None));
+    }
+
+    #[tokio::test]
+    async fn the_end_comes_when_the_last_sender_goes() {
+        let (sender, mut receiver) = mailbox();
+        let other = sender.clone();
+        let waiting = tokio::spawn(async move { (receiver.recv().await, receiver.recv().await) });
+        drop(sender);
+        tokio::task::yield_now().await;
+        other.send("from the clone").unwrap();
+        drop(other);
+        assert_eq!(waiting.await.unwrap(), (Some("from the clone"), None));
     }
 
     #[test]

@@ -298,7 +298,7 @@ impl AgentServer {
     /// writer of the stream's response (its RESUME list first).
     async fn resume(
         &self,
-        session: tokio::sync::mpsc::Sender<Takeover>,
+        session: konnectivity_mux::mailbox::Sender<Takeover>,
         inbound: Streaming<Packet>,
     ) -> Result<Response<<Self as AgentService>::ConnectStream>, Status> {
         let gone = || Status::not_found("resume refused: the session ended meanwhile");
@@ -309,7 +309,6 @@ impl AgentServer {
         };
         session
             .send(Takeover::Resume(Box::new(attachment)))
-            .await
             .map_err(|_| gone())?;
         let writer = answer.await.map_err(|_| gone())?;
         let packets = writer.map(Ok);

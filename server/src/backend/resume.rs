@@ -16,10 +16,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::Stream;
+use konnectivity_mux::mailbox::{self, mailbox};
 use konnectivity_mux::outbound::Writer;
 use konnectivity_proto::Packet;
 use rand::RngCore;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tonic::Status;
 
 /// What an agent stream's packets arrive as.
@@ -35,9 +36,9 @@ pub struct Attachment {
 /// What reaches a resumable session from the service that accepted a new
 /// stream.
 ///
-/// Eight bytes: tokio's channel allocates a block of 32 of them for every
-/// session when it is made (every node-frontend stream has a session), and
-/// a resume is rare; the stream that resumes is boxed.
+/// Eight bytes, the stream that resumes boxed: a session's mailbox holds
+/// one only while it is on its way (every node-frontend stream has a
+/// session, and a resume is rare).
 pub enum Takeover<A = Attachment> {
     /// A stream that resumes it.
     Resume(Box<A>),
@@ -66,7 +67,7 @@ struct Resumable<A> {
     identity: PeerIdentity,
     /// The agent process's id (`konnectivity-rs-agent-instance`), if sent.
     instance: Option<String>,
-    attach: mpsc::Sender<Takeover<A>>,
+    attach: mailbox::Sender<Takeover<A>>,
 }
 
 /// The server's resumable sessions, by session id.
@@ -90,7 +91,7 @@ const REMEMBERED_INSTANCES: usize = 100_000;
 /// Dropping it (the session ended) makes the token unknown.
 pub struct Ticket<A = Attachment> {
     pub token: String,
-    pub attachments: mpsc::Receiver<Takeover<A>>,
+    pub attachments: mailbox::Receiver<Takeover<A>>,
     id: u64,
     resumption: Arc<Resumption<A>>,
 }
@@ -125,7 +126,7 @@ impl<A> Resumption<A> {
         let mut rng = rand::rng();
         let mut secret = [0u8; 16];
         rng.fill_bytes(&mut secret);
-        let (attach, attachments) = mpsc::channel(4);
+        let (attach, attachments) = mailbox();
         let mut sessions = self.sessions();
         let id = loop {
             let id = rng.next_u64();
@@ -158,7 +159,7 @@ impl<A> Resumption<A> {
         &self,
         offered: &[&str],
         identity: &PeerIdentity,
-    ) -> Result<Option<mpsc::Sender<Takeover<A>>>, Status> {
+    ) -> Result<Option<mailbox::Sender<Takeover<A>>>, Status> {
         let Some(token) = offered.iter().find_map(|offered| {
             let (token, server_id) = offered.split_once('@')?;
             (server_id == self.server_id).then_some(token)
@@ -223,7 +224,7 @@ impl<A> Resumption<A> {
         }
         for session in self.sessions().values() {
             if session.identity == *identity && session.instance.as_deref() != instance {
-                let _ = session.attach.try_send(Takeover::Restarted);
+                let _ = session.attach.send(Takeover::Restarted);
             }
         }
     }
@@ -245,9 +246,10 @@ fn unhex(text: &str) -> Option<[u8; 16]> {
 mod tests {
     use super::*;
 
-    /// Every session's channel holds a block of 32 of these from the start
-    /// (1.06 KiB per node-frontend stream when the stream itself was in it,
-    /// heaptrack at 1,000 nodes and 10,000 watches): keep it a pointer.
+    /// Every session had a channel holding a block of 32 of these from the
+    /// start (1.06 KiB per node-frontend stream when the stream itself was
+    /// in it, heaptrack at 1,000 nodes and 10,000 watches); its mailbox
+    /// holds them only on their way, and still: keep it a pointer.
     #[test]
     fn a_takeover_is_a_pointer() {
         // Whatever the stream (the node frontend's is `ClientAttachment`).
@@ -326,8 +328,13 @@ mod tests {
     fn only_a_new_process_of_the_same_peer_ends_its_lost_sessions() {
         let resumption: Arc<Resumption> = Resumption::new(Duration::from_secs(60), "server-a");
         let node = identity("node tunnel", "node node-1");
-        let restarted =
-            |ticket: &mut Ticket| matches!(ticket.attachments.try_recv(), Ok(Takeover::Restarted));
+        let restarted = |ticket: &mut Ticket| {
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            matches!(
+                ticket.attachments.poll_recv(&mut context),
+                std::task::Poll::Ready(Some(Takeover::Restarted))
+            )
+        };
         resumption.restarted(&node, Some("first"));
         let mut first = resumption.issue(node.clone(), Some("first".to_owned()));
         resumption.restarted(&node, Some("first"));

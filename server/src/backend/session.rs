@@ -180,7 +180,7 @@ impl Session {
         &mut self,
         inbound: &mut Inbound,
         commands: &mut mpsc::Receiver<Command>,
-        mut attachments: Option<&mut mpsc::Receiver<Takeover>>,
+        mut attachments: Option<&mut konnectivity_mux::mailbox::Receiver<Takeover>>,
     ) -> Served {
         use futures_util::StreamExt;
         loop {
@@ -682,7 +682,7 @@ mod tests {
             inbound: Box::pin(ReceiverStream::new(inbound)),
             writer,
         };
-        assert!(attach.send(Takeover::Resume(Box::new(resuming))).await.is_ok());
+        assert!(attach.send(Takeover::Resume(Box::new(resuming))).is_ok());
         let mut to_agent = resumed_writer.await.expect("the session takes the stream");
 
         const DIALS: i64 = 600;

@@ -249,7 +249,6 @@ pub async fn resume_client_stream(
     };
     session
         .send(Takeover::Resume(Box::new(attachment)))
-        .await
         .map_err(|_| gone())?;
     let (writer, server_received) = answered.await.map_err(|_| gone())??;
     Ok((response_body(writer), server_received))
