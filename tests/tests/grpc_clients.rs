@@ -14,7 +14,7 @@ use crate::support::TempDir;
 use crate::support::certs::Pki;
 use crate::support::cluster::Setup;
 use crate::support::foreign::{grpc_go_client, python_with_grpcio, repo, run_client};
-use crate::support::h2_raw::{self, Answer, PROTOCOL_ERROR};
+use crate::support::h2_raw::{self, Answer, ENHANCE_YOUR_CALM, PROTOCOL_ERROR};
 use crate::support::procs::{Agent, Server};
 use crate::support::targets;
 use crate::support::{free_port, wait_until};
@@ -274,4 +274,71 @@ async fn python_grpcio_dials_through_the_node_frontend_with_its_usual_authority(
         },
     )
     .await;
+}
+
+/// A node's tunnel carries every connection of its clients: when the server
+/// is slow to take new streams (a busy machine, a storm of reconnecting
+/// nodes), the node agent may cancel many of them before the server takes
+/// them. h2 takes over 20 such resets pending at once for a rapid-reset
+/// attack and closes the whole connection (GOAWAY ENHANCE_YOUR_CALM),
+/// which in the 5,000-node runs cut whole node tunnels, every stream of the
+/// node with them. The node frontend's peers are nodes that proved who they
+/// are: a burst of 100 leaves the tunnel serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_burst_of_cancelled_streams_leaves_its_tunnel_serving() {
+    let dir = TempDir::new("konn-node-resets");
+    let pki = Pki::new(dir.path());
+    let apiserver = targets::blob().await;
+    let node_port = free_port();
+    let _server = Server::start(
+        dir.path(),
+        &pki,
+        "grpc",
+        true,
+        &[
+            format!("--node-frontend-port={node_port}"),
+            "--node-frontend-bind-address=127.0.0.1".to_owned(),
+            format!("--node-client-ca-cert={}", pki.node_ca.display()),
+            format!("--node-allowed-destinations={}", apiserver.addr),
+            "--control-plane-agent-ids=cp-1".to_owned(),
+        ],
+    )
+    .await;
+    let tls = pki.client_tls(Some(&pki.node_client), &[b"h2"]);
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", node_port))
+        .await
+        .unwrap();
+    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+    let mut node = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    let authority = format!("localhost:{node_port}");
+    let answer = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        h2_raw::dial_after_cancelled(
+            &mut node,
+            "https",
+            Some(authority.as_bytes()),
+            100,
+            &apiserver.addr.to_string(),
+        ),
+    )
+    .await
+    .expect("an answer within 10 s");
+    // No control-plane agent is connected: the dial fails, on a tunnel that
+    // still serves.
+    match answer {
+        Answer::Packet(packet) => match packet.payload {
+            Some(Payload::DialResponse(response)) => {
+                assert!(!response.error.is_empty(), "{response:?}")
+            }
+            other => panic!("a DIAL_RSP, not {other:?}"),
+        },
+        Answer::GoAway(code) => {
+            assert_ne!(code, ENHANCE_YOUR_CALM, "the tunnel was closed as an attacker's");
+            panic!("GOAWAY {code}");
+        }
+        other => panic!("a DIAL_RSP, not {other:?}"),
+    }
 }

@@ -160,7 +160,9 @@ fn grpc_frontend(
     authority: Authority,
     resumption: Option<Arc<Resumption<resume::ClientAttachment>>>,
 ) -> GrpcFrontend {
+    let pending_resets = matches!(dialer.class, FrontendClass::Node).then_some(NODE_PENDING_RESETS);
     grpc_server(keepalive)
+        .http2_max_pending_accept_reset_streams(pending_resets)
         .layer(RefuseUnparsedAuthorityLayer {
             refuse: matches!(authority, Authority::WellFormed),
         })
@@ -171,6 +173,16 @@ fn grpc_frontend(
             dialer, resumption,
         )))
 }
+
+/// How many streams a node may cancel before the server has taken them, at
+/// once, before h2 takes it for a rapid-reset attack and closes its
+/// connection (h2's own limit is 20). A node's tunnel carries every
+/// connection of its clients; while the server is slow to take new streams
+/// (a busy machine, a storm of reconnecting nodes), the node agent cancels
+/// those its clients gave up, and at 20 the 5,000-node runs lost whole node
+/// tunnels 3–7 times a run. The peers are nodes that proved who they are;
+/// what a cancelled stream holds until it is taken is h2's record of it.
+const NODE_PENDING_RESETS: usize = 1_000;
 
 /// Serves a gRPC frontend until the drain is signalled, then sends GOAWAY
 /// on each connection and returns once they have all closed, holding the

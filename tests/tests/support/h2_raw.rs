@@ -20,7 +20,6 @@ const GOAWAY: u8 = 0x7;
 const END_STREAM: u8 = 0x1;
 const END_HEADERS: u8 = 0x4;
 const ACK: u8 = 0x1;
-const STREAM: u32 = 1;
 
 /// How the server answered the request.
 #[derive(Debug, PartialEq)]
@@ -37,6 +36,10 @@ pub enum Answer {
 
 /// The PROTOCOL_ERROR code of RST_STREAM and GOAWAY (RFC 9113 §7).
 pub const PROTOCOL_ERROR: u32 = 0x1;
+/// ENHANCE_YOUR_CALM: h2's answer to a peer it takes for an attacker.
+pub const ENHANCE_YOUR_CALM: u32 = 0xb;
+/// CANCEL: what a gRPC client sends when its call is dropped.
+const CANCEL: u32 = 0x8;
 
 /// Sends one Proxy request (the headers grpc-go sends, with `authority` as
 /// the `:authority`, or none) carrying a DIAL_REQ for `target`, and returns
@@ -51,23 +54,36 @@ pub async fn dial_with_authority<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    dial_after_cancelled(io, scheme, authority, 0, target).await
+}
+
+/// As [`dial_with_authority`], after `cancelled` requests on the same
+/// connection, each reset (CANCEL) right after its headers, all in one
+/// write: a client whose calls were dropped before the server took them.
+pub async fn dial_after_cancelled<S>(
+    io: &mut S,
+    scheme: &str,
+    authority: Option<&[u8]>,
+    cancelled: u32,
+    target: &str,
+) -> Answer
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let mut out = BytesMut::new();
     out.put_slice(PREFACE);
     frame(&mut out, SETTINGS, 0, 0, &[]);
     // gRPC core pings as soon as it connects (its BDP estimator); h2 must
     // take a PING before the first stream.
     frame(&mut out, PING, 0, 0, b"konnping");
-    let mut block = BytesMut::new();
-    literal(&mut block, b":method", b"POST");
-    literal(&mut block, b":scheme", scheme.as_bytes());
-    literal(&mut block, b":path", konnectivity_proto::PROXY_PATH.as_bytes());
-    if let Some(authority) = authority {
-        literal(&mut block, b":authority", authority);
+    let headers = request_headers(scheme, authority);
+    for n in 0..cancelled {
+        let stream = 2 * n + 1;
+        frame(&mut out, HEADERS, END_HEADERS, stream, &headers);
+        frame(&mut out, RST_STREAM, 0, stream, &CANCEL.to_be_bytes());
     }
-    literal(&mut block, b"content-type", b"application/grpc");
-    literal(&mut block, b"user-agent", b"grpc-go/1.72.0");
-    literal(&mut block, b"te", b"trailers");
-    frame(&mut out, HEADERS, END_HEADERS, STREAM, &block);
+    let stream = 2 * cancelled + 1;
+    frame(&mut out, HEADERS, END_HEADERS, stream, &headers);
     let packet = Packet {
         r#type: PacketType::DialReq as i32,
         payload: Some(wire::packet::Payload::DialRequest(wire::DialRequest {
@@ -81,9 +97,32 @@ where
     message.put_u8(0);
     message.put_u32(packet.len() as u32);
     message.put_slice(&packet);
-    frame(&mut out, DATA, 0, STREAM, &message);
+    frame(&mut out, DATA, 0, stream, &message);
     io.write_all(&out).await.expect("write the request");
+    answer(io, stream).await
+}
 
+/// The header block of a Proxy request as grpc-go sends it.
+fn request_headers(scheme: &str, authority: Option<&[u8]>) -> BytesMut {
+    let mut block = BytesMut::new();
+    literal(&mut block, b":method", b"POST");
+    literal(&mut block, b":scheme", scheme.as_bytes());
+    literal(&mut block, b":path", konnectivity_proto::PROXY_PATH.as_bytes());
+    if let Some(authority) = authority {
+        literal(&mut block, b":authority", authority);
+    }
+    literal(&mut block, b"content-type", b"application/grpc");
+    literal(&mut block, b"user-agent", b"grpc-go/1.72.0");
+    literal(&mut block, b"te", b"trailers");
+    block
+}
+
+/// The server's first answer on `stream`, answering its SETTINGS and PINGs
+/// meanwhile.
+async fn answer<S>(io: &mut S, stream_id: u32) -> Answer
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let mut received = BytesMut::new();
     loop {
         let mut header = [0u8; 9];
@@ -106,10 +145,10 @@ where
                 frame(&mut pong, PING, ACK, 0, &payload);
                 io.write_all(&pong).await.expect("answer PING");
             }
-            RST_STREAM if stream == STREAM => return Answer::Reset(code(&payload[..4])),
+            RST_STREAM if stream == stream_id => return Answer::Reset(code(&payload[..4])),
             GOAWAY => return Answer::GoAway(code(&payload[4..8])),
-            HEADERS if stream == STREAM && flags & END_STREAM != 0 => return Answer::Ended,
-            DATA if stream == STREAM => {
+            HEADERS if stream == stream_id && flags & END_STREAM != 0 => return Answer::Ended,
+            DATA if stream == stream_id => {
                 received.put_slice(&payload);
                 if received.len() >= 5 {
                     let size = u32::from_be_bytes(received[1..5].try_into().unwrap()) as usize;
