@@ -133,10 +133,9 @@ pub fn resume_handshake(data: &[u8]) {
                 inbound: Box::pin(UnboundedReceiverStream::new(inbound)),
                 writer,
             };
-            attach
-                .send(Takeover::Resume(Box::new(attachment)))
-                .await
-                .expect("the session waits for a resume");
+            if attach.send(Takeover::Resume(Box::new(attachment))).is_err() {
+                panic!("the session waits for a resume");
+            }
             let mut writer = tokio::time::timeout(DEADLINE, answer)
                 .await
                 .expect("the session takes the stream")
