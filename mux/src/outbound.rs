@@ -11,7 +11,17 @@
 //! was queued for the lost stream is dropped when the next one attaches
 //! (DATA is kept by [`crate::replay`], control packets are rebuilt from the
 //! connection table).
+//!
+//! The queue is a `VecDeque` under a lock, with a semaphore for its room,
+//! rather than tokio's bounded channel: every captured connection of a node
+//! has one queue on the server and one in the node agent, mostly idle, and
+//! a channel allocates half a KiB of cache-padded state and a first block
+//! of 32 packet slots (2.6 KiB) when it is made; that was the largest part
+//! of what an idle captured connection cost the server (heaptrack,
+//! 2026-12-06; docs/testing.md). This queue allocates when a packet comes
+//! and gives a burst's memory back once it is drained.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +31,9 @@ use std::task::{Context, Poll};
 use futures_util::Stream;
 use futures_util::task::AtomicWaker;
 use konnectivity_proto::{Frame, Packet};
-use tokio::sync::mpsc;
+use tokio::sync::Semaphore;
+
+use crate::mailbox::{self, mailbox};
 
 /// The queue is gone: the session has ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -42,15 +54,19 @@ pub enum SessionSendError {
 /// The sending end producers hold.
 #[derive(Debug, Clone)]
 pub struct Outbound {
-    queue: mpsc::Sender<Packet>,
     shared: Arc<Shared>,
 }
 
 #[derive(Debug)]
 struct Shared {
     /// Drained by the attached writer; a std mutex, since it is only held
-    /// for a poll.
-    queue: Mutex<mpsc::Receiver<Packet>>,
+    /// to push or pop.
+    queue: Mutex<Queue>,
+    /// The queue's free room, one permit a packet: a producer takes one
+    /// before it queues, the writer gives one back for each packet it
+    /// takes. Closed with the queue (waiting producers fail). Fair, so
+    /// producers that wait queue in the order they came.
+    room: Semaphore,
     /// Bumped by each attach and detach: a writer of an older stream stops.
     generation: AtomicU64,
     /// The session has ended: every writer ends its stream.
@@ -63,13 +79,26 @@ struct Shared {
     writer_dropped: tokio::sync::Notify,
 }
 
+#[derive(Debug, Default)]
+struct Queue {
+    packets: VecDeque<Packet>,
+    /// The session has ended: nothing more is queued.
+    closed: bool,
+    /// The attached writer, waiting for a packet. Not `Shared::writer`,
+    /// which a lost stream's writer may take over while it is still polled.
+    waiting: Option<std::task::Waker>,
+}
+
+/// A queue drained of a burst gives its memory back once it held more than
+/// this many packets; a queue that holds a few at a time keeps its buffer.
+const KEPT_SLOTS: usize = 4;
+
 /// Creates a queue of `capacity` packets.
 pub fn outbound(capacity: usize) -> Outbound {
-    let (queue, receiver) = mpsc::channel(capacity);
     Outbound {
-        queue,
         shared: Arc::new(Shared {
-            queue: Mutex::new(receiver),
+            queue: Mutex::new(Queue::default()),
+            room: Semaphore::new(capacity),
             generation: AtomicU64::new(0),
             closed: std::sync::atomic::AtomicBool::new(false),
             writer: AtomicWaker::new(),
@@ -83,13 +112,46 @@ impl Outbound {
     /// Queues a packet, waiting while the queue is full. The packet is
     /// queued at once when there is room: the future then only reports it.
     pub fn send(&self, packet: Packet) -> Queueing<'_> {
-        match self.queue.try_send(packet) {
+        match self.try_queue(packet) {
             Ok(()) => Queueing::Done(Ok(())),
-            Err(mpsc::error::TrySendError::Closed(_)) => Queueing::Done(Err(QueueClosed)),
-            Err(mpsc::error::TrySendError::Full(packet)) => {
-                Queueing::Waiting(Box::pin(self.queue.send(packet)))
-            }
+            Err(Full::Closed) => Queueing::Done(Err(QueueClosed)),
+            Err(Full::NoRoom(packet)) => Queueing::Waiting(Box::pin(self.queue_when_room(packet))),
         }
+    }
+
+    /// Queues `packet` if there is room now.
+    fn try_queue(&self, packet: Packet) -> Result<(), Full> {
+        match self.shared.room.try_acquire() {
+            Ok(permit) => {
+                permit.forget();
+                self.push(packet).map_err(|QueueClosed| Full::Closed)
+            }
+            Err(tokio::sync::TryAcquireError::Closed) => Err(Full::Closed),
+            Err(tokio::sync::TryAcquireError::NoPermits) => Err(Full::NoRoom(packet)),
+        }
+    }
+
+    /// Waits for room, then queues `packet`.
+    async fn queue_when_room(&self, packet: Packet) -> Result<(), QueueClosed> {
+        let permit = self.shared.room.acquire().await.map_err(|_| QueueClosed)?;
+        permit.forget();
+        self.push(packet)
+    }
+
+    /// Queues `packet` with the room already taken for it.
+    fn push(&self, packet: Packet) -> Result<(), QueueClosed> {
+        let waiting = {
+            let mut queue = lock(&self.shared.queue);
+            if queue.closed {
+                return Err(QueueClosed);
+            }
+            queue.packets.push_back(packet);
+            queue.waiting.take()
+        };
+        if let Some(writer) = waiting {
+            writer.wake();
+        }
+        Ok(())
     }
 
     /// Queues a packet of the session itself (dial answers, closes, its
@@ -102,10 +164,10 @@ impl Outbound {
     /// connection to the server had died kept waiting, and so did the
     /// server's session with 22,902 dials pending).
     pub async fn send_from_session(&self, packet: Packet) -> Result<(), SessionSendError> {
-        let packet = match self.queue.try_send(packet) {
+        let packet = match self.try_queue(packet) {
             Ok(()) => return Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => return Err(SessionSendError::Closed),
-            Err(mpsc::error::TrySendError::Full(packet)) => packet,
+            Err(Full::Closed) => return Err(SessionSendError::Closed),
+            Err(Full::NoRoom(packet)) => packet,
         };
         let dropped = self.shared.writer_dropped.notified();
         tokio::pin!(dropped);
@@ -115,14 +177,14 @@ impl Outbound {
             return Err(SessionSendError::StreamGone);
         }
         tokio::select! {
-            sent = self.queue.send(packet) => sent.map_err(|_| SessionSendError::Closed),
+            sent = self.queue_when_room(packet) => sent.map_err(|QueueClosed| SessionSendError::Closed),
             () = dropped => Err(SessionSendError::StreamGone),
         }
     }
 
     /// Queues a packet if there is room now; whether it was queued.
     pub fn try_send(&self, packet: Packet) -> bool {
-        self.queue.try_send(packet).is_ok()
+        self.try_queue(packet).is_ok()
     }
 
     /// A writer for a new stream that drains the queue at once (a stream
@@ -144,10 +206,12 @@ impl Outbound {
         let generation = self.shared.generation.fetch_add(1, Ordering::AcqRel) + 1;
         self.shared.writer.wake();
         if drop_queued {
-            let mut queue = lock(&self.shared.queue);
-            while queue.try_recv().is_ok() {}
+            let dropped = std::mem::take(&mut lock(&self.shared.queue).packets);
+            self.shared.room.add_permits(dropped.len());
         }
-        let (ahead, first) = mpsc::unbounded_channel();
+        // A mailbox, which allocates only when something goes ahead: every
+        // new stream attaches a writer.
+        let (ahead, first) = mailbox();
         let writer = Writer {
             shared: self.shared.clone(),
             generation,
@@ -169,14 +233,29 @@ impl Outbound {
     /// stream cleanly.
     pub fn close(&self) {
         self.shared.closed.store(true, Ordering::Release);
-        lock(&self.shared.queue).close();
+        let waiting = {
+            let mut queue = lock(&self.shared.queue);
+            queue.closed = true;
+            queue.waiting.take()
+        };
+        self.shared.room.close();
         self.shared.writer.wake();
+        if let Some(writer) = waiting {
+            writer.wake();
+        }
     }
 
     /// Packets waiting in the queue.
     pub fn queued(&self) -> usize {
-        self.queue.max_capacity() - self.queue.capacity()
+        lock(&self.shared.queue).packets.len()
     }
+}
+
+/// Why a packet was not queued at once.
+enum Full {
+    Closed,
+    /// No room now: the packet is handed back.
+    NoRoom(Packet),
 }
 
 /// A packet on its way into the queue ([`Outbound::send`]).
@@ -187,7 +266,7 @@ impl Outbound {
 /// of what an idle tunnel costs). The wait for room, which is rare, is boxed.
 pub enum Queueing<'a> {
     Done(Result<(), QueueClosed>),
-    Waiting(Pin<Box<dyn Future<Output = Result<(), mpsc::error::SendError<Packet>>> + Send + 'a>>),
+    Waiting(Pin<Box<dyn Future<Output = Result<(), QueueClosed>> + Send + 'a>>),
 }
 
 impl Future for Queueing<'_> {
@@ -196,7 +275,7 @@ impl Future for Queueing<'_> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.get_mut() {
             Queueing::Done(result) => Poll::Ready(*result),
-            Queueing::Waiting(wait) => wait.as_mut().poll(cx).map(|sent| sent.map_err(|_| QueueClosed)),
+            Queueing::Waiting(wait) => wait.as_mut().poll(cx),
         }
     }
 }
@@ -210,14 +289,14 @@ impl std::fmt::Debug for Queueing<'_> {
     }
 }
 
-fn lock(queue: &Mutex<mpsc::Receiver<Packet>>) -> MutexGuard<'_, mpsc::Receiver<Packet>> {
+fn lock(queue: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
     queue.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// What goes out ahead of the queue on a resuming stream; [`Ahead::open`]
 /// lets the queue follow.
 #[derive(Debug)]
-pub struct Ahead(mpsc::UnboundedSender<Option<Packet>>);
+pub struct Ahead(mailbox::Sender<Option<Packet>>);
 
 impl Ahead {
     pub fn send(&self, frame: Frame) {
@@ -238,7 +317,7 @@ pub struct Writer {
     shared: Arc<Shared>,
     generation: u64,
     /// What goes first, until it says the queue may follow.
-    first: Option<mpsc::UnboundedReceiver<Option<Packet>>>,
+    first: Option<mailbox::Receiver<Option<Packet>>>,
 }
 
 impl Drop for Writer {
@@ -274,7 +353,23 @@ impl Stream for Writer {
                 Poll::Pending => return Poll::Pending,
             }
         }
-        lock(&self.shared.queue).poll_recv(cx)
+        let mut queue = lock(&self.shared.queue);
+        let Some(packet) = queue.packets.pop_front() else {
+            if queue.closed {
+                return Poll::Ready(None);
+            }
+            match &mut queue.waiting {
+                Some(waker) => waker.clone_from(cx.waker()),
+                none => *none = Some(cx.waker().clone()),
+            }
+            return Poll::Pending;
+        };
+        if queue.packets.is_empty() && queue.packets.capacity() > KEPT_SLOTS {
+            queue.packets = VecDeque::new();
+        }
+        drop(queue);
+        self.shared.room.add_permits(1);
+        Poll::Ready(Some(packet))
     }
 }
 
@@ -392,6 +487,26 @@ mod tests {
         assert!(waiting.await.is_err(), "the queue waits until opened");
         ahead.open();
         assert_eq!(writer.next().await, Some(close(2)));
+    }
+
+    /// A lost stream's writer may still be polled (its transport has not
+    /// noticed yet): that must not take the wake-up the attached writer
+    /// waits for.
+    #[tokio::test]
+    async fn a_lost_streams_writer_polled_later_does_not_take_the_attached_writers_wake_up() {
+        let outbound = outbound(8);
+        let mut lost = outbound.attach();
+        let mut attached = outbound.attach();
+        let waiting = tokio::spawn(async move { attached.next().await });
+        tokio::task::yield_now().await;
+        let mut context = Context::from_waker(std::task::Waker::noop());
+        assert!(Pin::new(&mut lost).poll_next(&mut context).is_pending());
+        outbound.send(close(1)).await.unwrap();
+        let woken = tokio::time::timeout(Duration::from_secs(1), waiting).await;
+        assert_eq!(
+            woken.expect("the attached writer is woken").unwrap(),
+            Some(close(1))
+        );
     }
 
     #[tokio::test]
