@@ -503,11 +503,19 @@ pub(crate) async fn serve_each(
         tokio::select! {
             Some(report) = reports.recv() => match report {
                 Report::Ended(StreamKey::Address(addr)) => {
-                    if let Some(slot) = slots.get_mut(&addr)
-                        && matches!(slot.state, SlotState::Held(_) | SlotState::Parked(_))
-                    {
-                        slot.state = SlotState::Idle;
-                        slot.retry_at = Instant::now() + slot.backoff.next_delay();
+                    if let Some(slot) = slots.get_mut(&addr) {
+                        match &mut slot.state {
+                            SlotState::Held(_) | SlotState::Parked(_) => {
+                                slot.state = SlotState::Idle;
+                                slot.retry_at = Instant::now() + slot.backoff.next_delay();
+                            }
+                            // The lost session gave up (its --resume-timeout
+                            // ran out) while a dial to resume it is out: the
+                            // dial's stream is a new one, or, if the server
+                            // resumed the session on it, dropped (below).
+                            SlotState::Dialing(parked) => *parked = None,
+                            SlotState::Idle => {}
+                        }
                     }
                 }
                 Report::Lost(StreamKey::Address(addr)) => {
@@ -552,6 +560,14 @@ pub(crate) async fn serve_each(
                         log_connect_failure(&dial, &error);
                         slot.state = SlotState::Parked(task);
                         slot.retry_at = Instant::now() + slot.backoff.next_delay();
+                        continue;
+                    }
+                    (None, Ok(stream)) if stream.resumed => {
+                        // Resumed a session that gave up meanwhile (see
+                        // Report::Ended): dropping the stream tells the
+                        // server; dialed again at once.
+                        tracing::info!(server_id = %stream.server_id, "the server resumed a lost stream whose session had given up; connecting afresh");
+                        slot.retry_at = Instant::now();
                         continue;
                     }
                     (None, result) => result,
