@@ -19,7 +19,7 @@
 //! of 32 packet slots (2.6 KiB) when it is made; that was the largest part
 //! of what an idle captured connection cost the server (heaptrack,
 //! 2026-12-06; docs/testing.md). This queue allocates when a packet comes
-//! and gives a burst's memory back once it is drained.
+//! and gives the memory back once it is drained.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -88,10 +88,6 @@ struct Queue {
     /// which a lost stream's writer may take over while it is still polled.
     waiting: Option<std::task::Waker>,
 }
-
-/// A queue drained of a burst gives its memory back once it held more than
-/// this many packets; a queue that holds a few at a time keeps its buffer.
-const KEPT_SLOTS: usize = 4;
 
 /// Creates a queue of `capacity` packets.
 pub fn outbound(capacity: usize) -> Outbound {
@@ -364,7 +360,10 @@ impl Stream for Writer {
             }
             return Poll::Pending;
         };
-        if queue.packets.is_empty() && queue.packets.capacity() > KEPT_SLOTS {
+        if queue.packets.is_empty() {
+            // Given back: most queues are idle most of the time, and an
+            // allocation when the next packet comes costs less than 4 slots
+            // (320 bytes) kept by every idle connection that once sent one.
             queue.packets = VecDeque::new();
         }
         drop(queue);
