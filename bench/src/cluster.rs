@@ -570,6 +570,11 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     let mut control_plane = Vec::new();
     for k in 0..args.control_plane_agents {
         let pair = pki.control_plane_agent(k);
+        // Health and admin on an address of its own, as the servers': a
+        // port free on 127.0.0.1 when asked may be another socket's by the
+        // time the agent binds it on every address (a 5,000-node run lost a
+        // control-plane agent so, and waited 300 s for its stream).
+        let own = format!("127.0.3.{}", k + 1);
         control_plane.push(stack::spawn(
             &layout,
             &format!("cp-{k}"),
@@ -581,8 +586,10 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
                 format!("--agent-cert={}", pair.cert.display()),
                 format!("--agent-key={}", pair.key.display()),
                 format!("--agent-id=cp-{k}"),
-                format!("--health-server-port={}", stack::free_port()?),
-                format!("--admin-server-port={}", stack::free_port()?),
+                format!("--health-bind-address={own}"),
+                format!("--health-server-port={}", stack::free_port_on(&own)?),
+                format!("--admin-bind-address={own}"),
+                format!("--admin-server-port={}", stack::free_port_on(&own)?),
             ],
         )?);
     }
@@ -629,7 +636,10 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         .await?;
         fleets.controls.extend(port_in(file));
     }
-    all_back(&servers, &fleets, &args, 0, Duration::from_secs(300)).await?;
+    all_back(&servers, &fleets, &args, 0, Duration::from_secs(300))
+        .await
+        .map_err(|error| stack::with_exits(error, &mut control_plane))
+        .map_err(|error| stack::with_exits(error, &mut fleets.procs))?;
     let connected_in = connecting.elapsed();
     let with_nodes = memory(&servers).await?;
 

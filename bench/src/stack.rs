@@ -26,6 +26,8 @@ pub struct Layout {
 pub struct Proc {
     child: Child,
     name: String,
+    /// Where its stdout and stderr go.
+    log: PathBuf,
 }
 
 impl Proc {
@@ -50,6 +52,13 @@ impl Proc {
 }
 
 impl Proc {
+    /// The last line it logged, for an error that says why it exited.
+    fn last_log_line(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let last = text.lines().rev().find(|line| !line.trim().is_empty());
+        format!("{} says {:?}", self.log.display(), last.unwrap_or(""))
+    }
+
     /// SIGKILL now, as a crash would, and reap it.
     pub fn kill_now(&mut self) {
         let _ = self.child.kill();
@@ -65,7 +74,8 @@ impl Drop for Proc {
 }
 
 pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
-    let log = std::fs::File::create(layout.work.join(format!("{name}.log")))?;
+    let log_path = layout.work.join(format!("{name}.log"));
+    let log = std::fs::File::create(&log_path)?;
     let mut command = Command::new(program);
     // A harness killed mid-run (a timeout, ^C) takes its processes along.
     konnectivity_plumbing::sys::die_with_parent(&mut command);
@@ -80,6 +90,7 @@ pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]
     Ok(Proc {
         child,
         name: name.to_owned(),
+        log: log_path,
     })
 }
 
@@ -94,17 +105,19 @@ pub fn start_targets(layout: &Layout) -> anyhow::Result<(Proc, Targets)> {
 /// Starts `konnectivity-bench ARGS` as a process of its own, and reads the
 /// one line it prints once it serves.
 fn start_helper(layout: &Layout, name: &str, args: &[String]) -> anyhow::Result<(Proc, String)> {
+    let log = layout.work.join(format!("{name}.log"));
     let mut child = Command::new(std::env::current_exe()?)
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(layout.work.join(format!("{name}.log")))?)
+        .stderr(std::fs::File::create(&log)?)
         .spawn()
         .with_context(|| format!("starting the {name} process"))?;
     let stdout = child.stdout.take().context("helper stdout")?;
     let proc = Proc {
         child,
         name: name.to_owned(),
+        log,
     };
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
@@ -153,7 +166,32 @@ pub async fn start_null_grpc(layout: &Layout, go_grpc_client: &Path) -> anyhow::
 
 /// A port free at the time of asking.
 pub(crate) fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    free_port_on("127.0.0.1")
+}
+
+/// A port free on `ip` at the time of asking.
+pub(crate) fn free_port_on(ip: &str) -> anyhow::Result<u16> {
+    Ok(TcpListener::bind((ip, 0))?.local_addr()?.port())
+}
+
+/// `error`, with which of `procs` have exited and the last line each
+/// logged: a wait that timed out because a process died says so.
+pub(crate) fn with_exits(error: anyhow::Error, procs: &mut [Proc]) -> anyhow::Error {
+    let exited: Vec<String> = procs
+        .iter_mut()
+        .filter_map(|proc| {
+            let status = proc.child.try_wait().ok().flatten()?;
+            Some(format!(
+                "{} exited ({status}): {}",
+                proc.name,
+                proc.last_log_line()
+            ))
+        })
+        .collect();
+    match exited.is_empty() {
+        true => error,
+        false => error.context(exited.join("; ")),
+    }
 }
 
 /// The frontend mode kube-apiserver would use.
