@@ -586,7 +586,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
                 format!("--agent-cert={}", pair.cert.display()),
                 format!("--agent-key={}", pair.key.display()),
                 format!("--agent-id=cp-{k}"),
-                format!("--health-bind-address={own}"),
+                format!("--health-server-host={own}"),
                 format!("--health-server-port={}", stack::free_port_on(&own)?),
                 format!("--admin-bind-address={own}"),
                 format!("--admin-server-port={}", stack::free_port_on(&own)?),
