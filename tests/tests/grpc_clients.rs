@@ -213,6 +213,27 @@ async fn python_grpcio_dials_through_the_tcp_frontend_with_its_usual_authority()
     setup.assert_gauges_return_to_zero().await;
 }
 
+/// A server whose node frontend (on the port returned) lets nodes reach
+/// `apiserver` through control-plane agent cp-1.
+async fn node_frontend_server(dir: &TempDir, pki: &Pki, apiserver: std::net::SocketAddr) -> (Server, u16) {
+    let node_port = free_port();
+    let server = Server::start(
+        dir.path(),
+        pki,
+        "grpc",
+        true,
+        &[
+            format!("--node-frontend-port={node_port}"),
+            "--node-frontend-bind-address=127.0.0.1".to_owned(),
+            format!("--node-client-ca-cert={}", pki.node_ca.display()),
+            format!("--node-allowed-destinations={apiserver}"),
+            "--control-plane-agent-ids=cp-1".to_owned(),
+        ],
+    )
+    .await;
+    (server, node_port)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_grpcio_dials_through_the_node_frontend_with_its_usual_authority() {
     let Some(python) = python_with_grpcio() else {
@@ -221,21 +242,7 @@ async fn python_grpcio_dials_through_the_node_frontend_with_its_usual_authority(
     let dir = TempDir::new("konn-node-grpcio");
     let pki = Pki::new(dir.path());
     let apiserver = targets::blob().await;
-    let node_port = free_port();
-    let server = Server::start(
-        dir.path(),
-        &pki,
-        "grpc",
-        true,
-        &[
-            format!("--node-frontend-port={node_port}"),
-            "--node-frontend-bind-address=127.0.0.1".to_owned(),
-            format!("--node-client-ca-cert={}", pki.node_ca.display()),
-            format!("--node-allowed-destinations={}", apiserver.addr),
-            "--control-plane-agent-ids=cp-1".to_owned(),
-        ],
-    )
-    .await;
+    let (server, node_port) = node_frontend_server(&dir, &pki, apiserver.addr).await;
     let control_plane_agent = Agent::start(
         dir.path(),
         &pki,
@@ -289,21 +296,7 @@ async fn a_nodes_burst_of_cancelled_streams_leaves_its_tunnel_serving() {
     let dir = TempDir::new("konn-node-resets");
     let pki = Pki::new(dir.path());
     let apiserver = targets::blob().await;
-    let node_port = free_port();
-    let _server = Server::start(
-        dir.path(),
-        &pki,
-        "grpc",
-        true,
-        &[
-            format!("--node-frontend-port={node_port}"),
-            "--node-frontend-bind-address=127.0.0.1".to_owned(),
-            format!("--node-client-ca-cert={}", pki.node_ca.display()),
-            format!("--node-allowed-destinations={}", apiserver.addr),
-            "--control-plane-agent-ids=cp-1".to_owned(),
-        ],
-    )
-    .await;
+    let (_server, node_port) = node_frontend_server(&dir, &pki, apiserver.addr).await;
     let tls = pki.client_tls(Some(&pki.node_client), &[b"h2"]);
     let tcp = tokio::net::TcpStream::connect(("127.0.0.1", node_port))
         .await
