@@ -69,6 +69,9 @@ struct Shared {
     room: Semaphore,
     /// Bumped by each attach and detach: a writer of an older stream stops.
     generation: AtomicU64,
+    /// The generation of the latest attach: a writer older than it was
+    /// superseded by a newer stream (see [`Writer::ending_when_superseded`]).
+    attached: AtomicU64,
     /// The session has ended: every writer ends its stream.
     closed: std::sync::atomic::AtomicBool,
     /// The attached writer's task, woken when its stream is detached.
@@ -96,6 +99,7 @@ pub fn outbound(capacity: usize) -> Outbound {
             queue: Mutex::new(Queue::default()),
             room: Semaphore::new(capacity),
             generation: AtomicU64::new(0),
+            attached: AtomicU64::new(0),
             closed: std::sync::atomic::AtomicBool::new(false),
             writer: AtomicWaker::new(),
             dropped: AtomicU64::new(0),
@@ -200,10 +204,21 @@ impl Outbound {
 
     fn attach_after(&self, drop_queued: bool) -> (Writer, Ahead) {
         let generation = self.shared.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        self.shared.attached.store(generation, Ordering::Release);
         self.shared.writer.wake();
-        if drop_queued {
-            let dropped = std::mem::take(&mut lock(&self.shared.queue).packets);
-            self.shared.room.add_permits(dropped.len());
+        let (dropped, waiting) = {
+            let mut queue = lock(&self.shared.queue);
+            let dropped = match drop_queued {
+                true => std::mem::take(&mut queue.packets).len(),
+                false => 0,
+            };
+            // The superseded writer, if it waits for a packet: it may end
+            // its stream now.
+            (dropped, queue.waiting.take())
+        };
+        self.shared.room.add_permits(dropped);
+        if let Some(superseded) = waiting {
+            superseded.wake();
         }
         // A mailbox, which allocates only when something goes ahead: every
         // new stream attaches a writer.
@@ -212,6 +227,7 @@ impl Outbound {
             shared: self.shared.clone(),
             generation,
             first: Some(first),
+            ends_when_superseded: false,
         };
         (writer, Ahead(ahead))
     }
@@ -314,6 +330,33 @@ pub struct Writer {
     generation: u64,
     /// What goes first, until it says the queue may follow.
     first: Option<mailbox::Receiver<Option<Packet>>>,
+    /// See [`Writer::ending_when_superseded`].
+    ends_when_superseded: bool,
+}
+
+impl Writer {
+    /// This writer ends its stream once a newer stream attaches, rather
+    /// than holding it open, silent, until the session ends.
+    ///
+    /// For the server's responses: a stream the session left for a newer
+    /// one may still be the one its peer reads. A resume attempt the peer
+    /// gave up on (its own timeout ran out) can reach the server after the
+    /// peer resumed on a later attempt, and take the connection over; a
+    /// superseded response that stayed open left the peer reading a live,
+    /// silent stream for good (a watch that never got another event). Ended,
+    /// it tells the peer to resume again. The peer's own request bodies
+    /// keep the default: there, a request that ends cleanly tells the
+    /// server the peer is done with the stream (a node-frontend stream
+    /// after its CLOSE_RSP).
+    pub fn ending_when_superseded(mut self) -> Writer {
+        self.ends_when_superseded = true;
+        self
+    }
+
+    /// Whether a newer stream has attached since this writer's.
+    pub fn is_superseded(&self) -> bool {
+        self.shared.attached.load(Ordering::Acquire) > self.generation
+    }
 }
 
 impl Drop for Writer {
@@ -333,8 +376,11 @@ impl Stream for Writer {
         // Registered before the check, so a detach after it wakes us.
         self.shared.writer.register(cx.waker());
         if self.shared.generation.load(Ordering::Acquire) != self.generation {
-            // A lost stream's writer: it ends only with the session.
-            return match self.shared.closed.load(Ordering::Acquire) {
+            // A lost stream's writer: it ends only with the session, or
+            // when superseded if it was asked to.
+            let ends = self.shared.closed.load(Ordering::Acquire)
+                || (self.ends_when_superseded && self.is_superseded());
+            return match ends {
                 true => Poll::Ready(None),
                 false => Poll::Pending,
             };
@@ -464,6 +510,46 @@ mod tests {
             "a plain attach sends what was queued"
         );
         assert_eq!(second.next().await, Some(close(3)));
+    }
+
+    /// A writer asked to end when superseded ends its stream as soon as a
+    /// newer stream attaches, even while it waits for a packet and is not
+    /// detached first (the session took a resume while the stream was
+    /// alive); a detach alone does not end it, and a default writer holds
+    /// its stream open.
+    #[tokio::test]
+    async fn a_superseded_writer_ends_its_stream_when_asked_to() {
+        let outbound = outbound(8);
+        let mut live = outbound.attach().ending_when_superseded();
+        outbound.send(close(1)).await.unwrap();
+        assert_eq!(live.next().await, Some(close(1)));
+        let waiting = tokio::spawn(async move {
+            let end = live.next().await;
+            (end, live.is_superseded())
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "an attached writer waits for packets");
+        let (mut newer, ahead) = outbound.attach_resuming();
+        ahead.open();
+        let ended = tokio::time::timeout(Duration::from_secs(1), waiting).await;
+        assert!(
+            matches!(ended, Ok(Ok((None, true)))),
+            "the superseded stream ends: {ended:?}"
+        );
+        outbound.send(close(2)).await.unwrap();
+        assert_eq!(newer.next().await, Some(close(2)), "the newer one carries on");
+        assert!(!newer.is_superseded());
+
+        let outbound = self::outbound(8);
+        let mut detached = outbound.attach().ending_when_superseded();
+        outbound.detach();
+        let held = tokio::time::timeout(Duration::from_millis(20), detached.next());
+        assert!(held.await.is_err(), "a detached writer is not superseded");
+        let mut plain = outbound.attach();
+        let _newest = outbound.attach();
+        assert_eq!(detached.next().await, None, "superseded once a stream attaches");
+        let held = tokio::time::timeout(Duration::from_millis(20), plain.next());
+        assert!(held.await.is_err(), "a default writer holds its stream open");
     }
 
     #[tokio::test]

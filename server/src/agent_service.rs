@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::serving::peer_certificate_names;
-use futures_util::{Stream, StreamExt};
+use futures_util::Stream;
 use konnectivity_mux::{Extensions, flow};
 use konnectivity_proto::metadata::{
     AGENT_ID, AGENT_IDENTIFIERS, AGENT_INSTANCE, PROBE, RESUME, RESUME_TOKEN, RESUMED, SERVER_COUNT,
@@ -21,7 +21,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::admission::Admission;
 use crate::backend::registry::Registry;
-use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
+use crate::backend::resume::{Attachment, PeerIdentity, ResponsePackets, Resumption, Takeover};
 use crate::backend::{Announced, Backend, BackendId, session};
 use crate::config::Config;
 use crate::identity::ProvenNode;
@@ -279,7 +279,7 @@ impl AgentService for AgentServer {
 
         // Returning the response sends its headers at once: upstream agents
         // wait for `serverid` before anything else, with no timeout.
-        let packets = queues.to_agent.map(Ok);
+        let packets = ResponsePackets::new(queues.to_agent);
         let mut response = self.with_headers(
             Response::new(Box::pin(packets) as Self::ConnectStream),
             flow_control,
@@ -311,7 +311,7 @@ impl AgentServer {
             .send(Takeover::Resume(Box::new(attachment)))
             .map_err(|_| gone())?;
         let writer = answer.await.map_err(|_| gone())?;
-        let packets = writer.map(Ok);
+        let packets = ResponsePackets::new(writer);
         let mut response = self.with_headers(
             Response::new(Box::pin(packets) as <Self as AgentService>::ConnectStream),
             true,

@@ -476,6 +476,62 @@ async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent(
     assert_eq!(resumed_count, Some(1.0));
 }
 
+/// A resume attempt the node gave up on (its 2 s bound ran out) can reach
+/// the server after the node resumed on a later attempt, and take the
+/// connection over. The stream the node is on then ends with ABORTED, and
+/// the node resumes again; it used to stay open and silent for good (a
+/// watch on it never got another event). The 5,000-node run logged such
+/// late attempts as refusals ("claims N but had already written out M")
+/// whenever the node had acknowledged more since.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_superseded_by_an_attempt_nobody_reads_ends_and_the_node_resumes_again() {
+    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+
+    let setup = setup().await;
+    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
+    let address = setup.allowed.addr.to_string();
+    let (mut live, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
+        .await
+        .unwrap();
+    let token = answer.get(RESUME_TOKEN).unwrap().to_str().unwrap().to_owned();
+    live.send(&targets::header(b'E', 0, 0)).await;
+    live.send(b"before").await;
+    assert_eq!(live.receive(6).await, b"before");
+
+    // The attempt the node gave up on: answered, and never read.
+    let position = || {
+        vec![
+            (RESUME_TOKEN, header(&token)),
+            (RESUME_RECEIVED, header(&live.received.to_string())),
+        ]
+    };
+    let (abandoned, _) = open_by_hand(&tunnel, position(), None).await.unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), live.inbound.message())
+        .await
+        .expect("the stream the node is on ends within 5 s, not never");
+    let status = ended.expect_err("it ends with a status");
+    assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+    assert!(status.message().contains("superseded"), "{}", status.message());
+
+    // The node resumes again (and resets the attempt it gave up on); the
+    // bytes go on where they stopped.
+    let (mut resumed, answer) = open_by_hand(&tunnel, position(), None).await.unwrap();
+    drop(abandoned);
+    let server_received: u64 = answer
+        .get(RESUME_RECEIVED)
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(server_received, live.sent);
+    resumed.connect_id = live.connect_id;
+    resumed.sent = server_received;
+    resumed.received = live.received;
+    resumed.send(b"after").await;
+    assert_eq!(resumed.receive(5).await, b"after");
+}
+
 /// A connection that ends while its stream is lost (a node agent that
 /// handed it to its successor, or a cut): the target's last bytes and the
 /// CLOSE_RSP went to a stream the client no longer reads. The server keeps

@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use futures_util::Stream;
@@ -31,6 +32,52 @@ pub type Inbound = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
 pub struct Attachment {
     pub inbound: Inbound,
     pub writer: oneshot::Sender<Writer>,
+}
+
+impl Attachment {
+    /// The service that accepted the stream gave up on it before the
+    /// session took it (the agent reset the stream: its own attempt timed
+    /// out): taking it would only leave the stream the session has now.
+    pub fn abandoned(&self) -> bool {
+        self.writer.is_closed()
+    }
+}
+
+/// A resumable stream's response: the packets its writer sends. A writer
+/// superseded by a newer stream of its session ends the response with
+/// ABORTED: its peer may still be reading it (the newer stream was an
+/// attempt the peer gave up on), and must learn to resume again rather than
+/// wait on a silent stream.
+pub struct ResponsePackets {
+    writer: Option<Writer>,
+}
+
+impl ResponsePackets {
+    pub fn new(writer: Writer) -> ResponsePackets {
+        ResponsePackets {
+            writer: Some(writer.ending_when_superseded()),
+        }
+    }
+}
+
+impl Stream for ResponsePackets {
+    type Item = Result<Packet, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let Some(writer) = self.writer.as_mut() else {
+            return Poll::Ready(None);
+        };
+        if let Some(packet) = ready!(Pin::new(&mut *writer).poll_next(cx)) {
+            return Poll::Ready(Some(Ok(packet)));
+        }
+        let superseded = writer.is_superseded();
+        self.writer = None;
+        Poll::Ready(superseded.then(|| {
+            Err(Status::aborted(
+                "superseded: a newer stream resumed this stream's connections; resume again",
+            ))
+        }))
+    }
 }
 
 /// What reaches a resumable session from the service that accepted a new

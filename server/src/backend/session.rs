@@ -188,6 +188,9 @@ impl Session {
                 loop {
                     match attachments.as_mut() {
                         Some(attachments) => match attachments.recv().await {
+                            // Taken, it would supersede the live stream for
+                            // one nobody reads.
+                            Some(Takeover::Resume(attachment)) if attachment.abandoned() => continue,
                             Some(Takeover::Resume(attachment)) => return Some(attachment),
                             // This session's stream is alive: another stream
                             // of the same agent is no restart of its.
@@ -640,7 +643,6 @@ mod tests {
         metrics.full_receive_channels("Connect").get()
     }
 
-    /// With an agent that did not negotiate flow control, a connection whose
     /// A resumed stream's queue opens only once the agent's RESUME list is
     /// read. Dials that come meanwhile (more than the queue holds) wait for
     /// it: served first, the session waited for room in a queue that could
@@ -721,6 +723,64 @@ mod tests {
         );
     }
 
+    /// A resuming stream whose request went away before the session took it
+    /// (the agent reset it when its own attempt timed out) is passed over:
+    /// the session keeps serving the stream it has. Taken, it left that
+    /// stream, which the agent may still be on, for one nobody reads.
+    #[tokio::test]
+    async fn a_live_session_passes_over_a_resuming_stream_already_abandoned() {
+        use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
+        use futures_util::StreamExt;
+        let identity = PeerIdentity {
+            agent_id: "agent".to_owned(),
+            proof: "test".to_owned(),
+        };
+        let resumption = Resumption::<Attachment>::new(Duration::from_secs(60), "server-1");
+        let ticket = resumption.issue(identity.clone(), None);
+        let attach = resumption
+            .find(&[ticket.token.as_str()], &identity)
+            .unwrap()
+            .unwrap();
+        let resume = Resume {
+            ticket,
+            timeout: Duration::from_secs(60),
+        };
+        let testing::RunningSession {
+            backend,
+            mut to_agent,
+            from_agent: _live,
+            ..
+        } = testing::running_session("agent", konnectivity_mux::Extensions::Resume, Some(resume));
+        let (_agent, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(4);
+        let (writer, answer) = tokio::sync::oneshot::channel();
+        drop(answer);
+        let abandoned = Attachment {
+            inbound: Box::pin(ReceiverStream::new(inbound)),
+            writer,
+        };
+        assert!(attach.send(Takeover::Resume(Box::new(abandoned))).is_ok());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+
+        let (route, _frontend, _) = konnectivity_mux::connection(konnectivity_mux::Extensions::Resume);
+        backend
+            .command(Command::Dial {
+                dial_id: DialId::new(1),
+                address: "10.0.0.1:80".into(),
+                route,
+            })
+            .await
+            .unwrap();
+        let sent = tokio::time::timeout(Duration::from_secs(2), to_agent.next()).await;
+        assert!(
+            matches!(
+                sent.as_ref().map(|packet| packet.clone().map(Frame::try_from)),
+                Ok(Some(Ok(Frame::DialRequest { .. })))
+            ),
+            "the DIAL_REQ goes out on the stream the session had: {sent:?}"
+        );
+    }
+
+    /// With an agent that did not negotiate flow control, a connection whose
     /// frontend stops reading holds up the agent stream, as upstream's does;
     /// `full_receive_channels` shows it while it lasts.
     #[tokio::test]

@@ -13,17 +13,17 @@
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
-use futures_util::{Stream, StreamExt};
+use futures_util::Stream;
 use konnectivity_mux::Extensions;
 use konnectivity_mux::flow::{ReceiveCredit, ReceiveGate, SendWindow, receive_window};
 use konnectivity_mux::outbound::{Outbound, Writer};
-use konnectivity_mux::replay::{Arrival, arrival};
+use konnectivity_mux::replay::{Arrival, OffsetError, arrival};
 use konnectivity_proto::{ConnectId, Frame, Packet};
 use konnectivity_telemetry::metrics::Resumes;
 use tokio::sync::oneshot;
 use tonic::Status;
 
-use crate::backend::resume::{Takeover, Ticket};
+use crate::backend::resume::{ResponsePackets, Takeover, Ticket};
 
 /// What a client sends on its `Proxy` stream.
 pub(crate) type ClientPackets = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send + Sync>>;
@@ -36,10 +36,12 @@ pub struct ClientAttachment {
     pub(crate) inbound: ClientPackets,
     /// Bytes the client has received (and written out) so far.
     pub(crate) received: u64,
-    /// The writer that feeds the new stream's response, and the bytes this
-    /// side has received; or why the resume was refused.
-    pub(crate) answer: oneshot::Sender<Result<(Writer, u64), Status>>,
+    pub(crate) answer: oneshot::Sender<ResumeAnswer>,
 }
+
+/// The writer that feeds a resuming stream's response, and the bytes this
+/// side has received; or why the resume was refused.
+pub(crate) type ResumeAnswer = Result<(Writer, u64), Status>;
 
 /// What a resumable `Proxy` stream keeps beside the plain one's state.
 pub(crate) struct StreamResume {
@@ -128,6 +130,15 @@ impl StreamResume {
     /// Attaches a resuming stream: checks the client's position, puts what
     /// it lacks ahead of everything queued, and answers it.
     pub fn attach(&mut self, connect_id: ConnectId, attachment: ClientAttachment) -> Option<ClientPackets> {
+        // Checked first, as it changes nothing: taken, it would supersede
+        // the stream the node is on for one nobody reads.
+        if attachment.answer.is_closed() {
+            tracing::debug!(
+                connect_id = connect_id.get(),
+                "a resume attempt went away before it was served (the node gave up on it); ignored"
+            );
+            return None;
+        }
         let resend = self
             .window
             .grant(0, Some(attachment.received))
@@ -137,7 +148,19 @@ impl StreamResume {
             Err(error) => {
                 let refused =
                     Status::out_of_range(format!("resume refused for connectID {connect_id}: {error}"));
-                tracing::warn!(connect_id = connect_id.get(), %error, "node tunnel stream's resume refused");
+                match error {
+                    // The node's count only grows, and it acknowledged more
+                    // since: an attempt it gave up on, overtaken by a later
+                    // one. Refusing it is all there is to do.
+                    OffsetError::BeforeAcknowledged { .. } => tracing::debug!(
+                        connect_id = connect_id.get(),
+                        %error,
+                        "an abandoned resume attempt refused"
+                    ),
+                    _ => {
+                        tracing::warn!(connect_id = connect_id.get(), %error, "node tunnel stream's resume refused")
+                    }
+                }
                 let _ = attachment.answer.send(Err(refused));
                 return None;
             }
@@ -172,5 +195,64 @@ impl StreamResume {
 
 /// The response body of a resumable stream: what its writer sends.
 pub(crate) fn response_body(writer: Writer) -> ResponseBody {
-    Box::pin(writer.map(Ok))
+    Box::pin(ResponsePackets::new(writer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::resume::{PeerIdentity, Resumption};
+    use futures_util::StreamExt;
+    use konnectivity_mux::outbound::outbound;
+
+    fn attempt(received: u64) -> (ClientAttachment, oneshot::Receiver<ResumeAnswer>) {
+        let (answer, answered) = oneshot::channel();
+        let attachment = ClientAttachment {
+            inbound: Box::pin(futures_util::stream::empty()),
+            received,
+            answer,
+        };
+        (attachment, answered)
+    }
+
+    /// A resume attempt whose request went away before the session served
+    /// it (the node reset it when its own bound ran out) changes nothing:
+    /// the stream attached now keeps its writer. Taken, it superseded the
+    /// stream the node was on for one nobody reads.
+    #[tokio::test]
+    async fn an_attempt_gone_before_it_is_served_leaves_the_attached_stream_alone() {
+        let resumption = Resumption::<ClientAttachment>::new(Duration::from_secs(60), "server-a");
+        let identity = PeerIdentity {
+            agent_id: "node-1".to_owned(),
+            proof: "CN=node-1".to_owned(),
+        };
+        let ticket = resumption.issue(identity, None);
+        let queue = outbound(8);
+        let mut live = queue.attach().ending_when_superseded();
+        let mut resume =
+            StreamResume::new(ticket, Duration::from_secs(60), queue.clone(), Resumes::default());
+        let connect_id = ConnectId::new(7).unwrap();
+        let close = || -> Packet { Frame::CloseRequest { connect_id }.into() };
+
+        let (gone, answered) = attempt(0);
+        drop(answered);
+        assert!(resume.attach(connect_id, gone).is_none());
+        assert!(!live.is_superseded());
+        queue.send(close()).await.unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(1), live.next()).await;
+        assert_eq!(
+            next,
+            Ok(Some(close())),
+            "the attached stream still carries the queue"
+        );
+
+        // One still awaited is taken, and the stream before it ends.
+        let (waited, answered) = attempt(0);
+        assert!(resume.attach(connect_id, waited).is_some());
+        let (mut taken, server_received) = answered.await.unwrap().unwrap();
+        assert_eq!(server_received, 0);
+        assert_eq!(live.next().await, None);
+        queue.send(close()).await.unwrap();
+        assert_eq!(taken.next().await, Some(close()));
+    }
 }
