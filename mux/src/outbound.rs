@@ -64,16 +64,17 @@ struct Shared {
     queue: Mutex<Queue>,
     /// The queue's free room, one permit a packet: a producer takes one
     /// before it queues, the writer gives one back for each packet it
-    /// takes. Closed with the queue (waiting producers fail). Fair, so
-    /// producers that wait queue in the order they came.
+    /// takes. Fair, so producers that wait queue in the order they came.
+    ///
+    /// Closed when the session ends, under the queue's lock: its closed
+    /// state is the queue's (producers fail, waiting ones too; writers send
+    /// what is queued, then end their streams).
     room: Semaphore,
     /// Bumped by each attach and detach: a writer of an older stream stops.
     generation: AtomicU64,
     /// The generation of the latest attach: a writer older than it was
     /// superseded by a newer stream (see [`Writer::ending_when_superseded`]).
     attached: AtomicU64,
-    /// The session has ended: every writer ends its stream.
-    closed: std::sync::atomic::AtomicBool,
     /// The attached writer's task, woken when its stream is detached.
     writer: AtomicWaker,
     /// The generation whose writer was dropped last, and its wake-up: the
@@ -85,8 +86,6 @@ struct Shared {
 #[derive(Debug, Default)]
 struct Queue {
     packets: VecDeque<Packet>,
-    /// The session has ended: nothing more is queued.
-    closed: bool,
     /// The attached writer, waiting for a packet. Not `Shared::writer`,
     /// which a lost stream's writer may take over while it is still polled.
     waiting: Option<std::task::Waker>,
@@ -100,7 +99,6 @@ pub fn outbound(capacity: usize) -> Outbound {
             room: Semaphore::new(capacity),
             generation: AtomicU64::new(0),
             attached: AtomicU64::new(0),
-            closed: std::sync::atomic::AtomicBool::new(false),
             writer: AtomicWaker::new(),
             dropped: AtomicU64::new(0),
             writer_dropped: tokio::sync::Notify::new(),
@@ -142,7 +140,7 @@ impl Outbound {
     fn push(&self, packet: Packet) -> Result<(), QueueClosed> {
         let waiting = {
             let mut queue = lock(&self.shared.queue);
-            if queue.closed {
+            if self.shared.room.is_closed() {
                 return Err(QueueClosed);
             }
             queue.packets.push_back(packet);
@@ -244,13 +242,12 @@ impl Outbound {
     /// writer sends what is queued (a STREAM_END last, say), then ends its
     /// stream cleanly.
     pub fn close(&self) {
-        self.shared.closed.store(true, Ordering::Release);
         let waiting = {
             let mut queue = lock(&self.shared.queue);
-            queue.closed = true;
+            // Under the lock: a push sees it closed, or is queued before.
+            self.shared.room.close();
             queue.waiting.take()
         };
-        self.shared.room.close();
         self.shared.writer.wake();
         if let Some(writer) = waiting {
             writer.wake();
@@ -378,8 +375,7 @@ impl Stream for Writer {
         if self.shared.generation.load(Ordering::Acquire) != self.generation {
             // A lost stream's writer: it ends only with the session, or
             // when superseded if it was asked to.
-            let ends = self.shared.closed.load(Ordering::Acquire)
-                || (self.ends_when_superseded && self.is_superseded());
+            let ends = self.shared.room.is_closed() || (self.ends_when_superseded && self.is_superseded());
             return match ends {
                 true => Poll::Ready(None),
                 false => Poll::Pending,
@@ -397,7 +393,7 @@ impl Stream for Writer {
         }
         let mut queue = lock(&self.shared.queue);
         let Some(packet) = queue.packets.pop_front() else {
-            if queue.closed {
+            if self.shared.room.is_closed() {
                 return Poll::Ready(None);
             }
             match &mut queue.waiting {
