@@ -52,6 +52,12 @@ const NODES: &str = "konnectivity_network_proxy_server_node_frontend_nodes";
 const DIALS: &str = "konnectivity_network_proxy_server_dial_duration_seconds_count";
 const DIALS_WITHIN_HALF_SECOND: &str =
     "konnectivity_network_proxy_server_dial_duration_seconds_bucket{le=\"0.5\"}";
+/// Connections carried over to a new stream (agent streams' and node
+/// tunnels'), those a resume could not carry over, and those no stream
+/// resumed in time: how much a phase's streams were lost and resumed.
+const RESUMED: &str = "konnectivity_network_proxy_server_resumed_connections_total";
+const RESUME_DROPPED: &str = "konnectivity_network_proxy_server_resume_dropped_connections_total";
+const RESUME_TIMEOUTS: &str = "konnectivity_network_proxy_server_resume_timeouts_total";
 
 /// Where the run's servers listen: with one, loopback's usual address; with
 /// several, an address each, all on the same ports (as control-plane
@@ -173,6 +179,41 @@ async fn memory(servers: &[ClusterServer]) -> anyhow::Result<(f64, f64)> {
         resident += server.proc.resident_bytes()? as f64;
     }
     Ok((resident, heap))
+}
+
+/// The servers' resume counters, summed ([`RESUMED`] and the rest).
+#[derive(Clone, Copy, Default)]
+struct ResumeCounts {
+    resumed: f64,
+    dropped: f64,
+    timed_out: f64,
+}
+
+impl ResumeCounts {
+    async fn of(servers: &[ClusterServer]) -> ResumeCounts {
+        let mut counts = ResumeCounts::default();
+        for server in servers {
+            counts.resumed += server.metric(RESUMED).await.unwrap_or(0.0);
+            counts.dropped += server.metric(RESUME_DROPPED).await.unwrap_or(0.0);
+            counts.timed_out += server.metric(RESUME_TIMEOUTS).await.unwrap_or(0.0);
+        }
+        counts
+    }
+
+    fn since(self, before: ResumeCounts) -> ResumeCounts {
+        ResumeCounts {
+            resumed: self.resumed - before.resumed,
+            dropped: self.dropped - before.dropped,
+            timed_out: self.timed_out - before.timed_out,
+        }
+    }
+
+    fn cells(self) -> String {
+        format!(
+            "{:.0} / {:.0} / {:.0}",
+            self.resumed, self.dropped, self.timed_out
+        )
+    }
 }
 
 /// The servers' CPU time so far, in ticks.
@@ -663,6 +704,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     );
 
     eprintln!("== {watches} watches");
+    let resumes_before_opening = ResumeCounts::of(&servers).await;
     let opening = Instant::now();
     fleets.ask("open").await?;
     let opened = all_back(&servers, &fleets, &args, watches, Duration::from_secs(300)).await;
@@ -676,6 +718,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             format!("not within {:.0} s: {error}", opened_in.as_secs_f64())
         }
     };
+    let resumes_opening = ResumeCounts::of(&servers).await.since(resumes_before_opening);
     let with_watches = memory(&servers).await?;
 
     eprintln!("== loaded: {watches} watches, {} dials/s", args.dials_per_second);
@@ -692,6 +735,8 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     // stream to it is back (the node tunnels stay where they moved).
     eprintln!("== restart");
     let broken_before = fleets.stats().await?.bulk_broken;
+    // The restarted server counts from zero: the others' counts before.
+    let resumes_before_restart = ResumeCounts::of(&servers[..servers.len() - 1]).await;
     let restarted = Instant::now();
     servers.last_mut().expect("a server").restart(&layout)?;
     let back_after = match all_back(&servers, &fleets, &args, watches, Duration::from_secs(300)).await {
@@ -702,6 +747,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         }
     };
     let broken = fleets.stats().await?.bulk_broken - broken_before;
+    let resumes_restart = ResumeCounts::of(&servers).await.since(resumes_before_restart);
 
     let kib = |bytes: f64| bytes / 1024.0;
     let per_node = |at: (f64, f64), base: (f64, f64)| {
@@ -810,8 +856,16 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     );
     println!("| all {watches} watches established | {opened} |");
     println!(
+        "| ... connections the servers resumed / dropped at a resume / closed unresumed meanwhile | {} |",
+        resumes_opening.cells()
+    );
+    println!(
         "| every node back after a server restart (streams, tunnels, watches re-established: {broken} broke) | {:.1} s |",
         back_after.as_secs_f64()
+    );
+    println!(
+        "| ... connections the servers resumed / dropped at a resume / closed unresumed meanwhile | {} |",
+        resumes_restart.cells()
     );
     if let Some(failover) = &failover {
         println!(
