@@ -495,166 +495,176 @@ impl ClientStream {
     /// stop bytes flowing back to the client (an echoing target would
     /// otherwise deadlock both). Dropping the tunnel's sender on the way out
     /// closes the connection on the agent.
-    async fn relay(&mut self, connection: TunnelConn, metrics: &ServerMetrics) {
+    ///
+    /// Not an `async fn`: one would keep its `connection` argument (200
+    /// bytes) in the task, beside the parts split from it, for as long as
+    /// the connection lives.
+    fn relay<'a>(
+        &'a mut self,
+        connection: TunnelConn,
+        metrics: &'a ServerMetrics,
+    ) -> impl Future<Output = ()> + 'a {
         let connect_id = connection.connect_id;
         let (sender, mut receiver, life) = connection.split();
-        // Its events name the tunnel's span themselves: an instrumented relay
-        // would make every idle tunnel's task larger.
-        let tunnel = life.span();
-        let inbound = &mut self.inbound;
-        let outbound = &self.outbound;
-        let mut resume = self.resume.as_deref_mut();
-        let window = resume.as_ref().map(|resume| resume.window.clone());
-        let to_agent = async {
-            loop {
-                let frame = match &mut resume {
-                    None => inbound.next_frame().await,
-                    Some(resume) => tokio::select! {
-                        waited = resume.credit.or_quiet(inbound.next_frame()) => match waited {
-                            Waited::Arrived(frame) => frame,
-                            // The node may drop what it kept for replay.
-                            Waited::Quiet(credit) => {
-                                let _ = outbound.send(credit.frame(connect_id)).await;
+        async move {
+            // Its events name the tunnel's span themselves: an instrumented relay
+            // would make every idle tunnel's task larger.
+            let tunnel = life.span();
+            let inbound = &mut self.inbound;
+            let outbound = &self.outbound;
+            let mut resume = self.resume.as_deref_mut();
+            let window = resume.as_ref().map(|resume| resume.window.clone());
+            let to_agent = async {
+                loop {
+                    let frame = match &mut resume {
+                        None => inbound.next_frame().await,
+                        Some(resume) => tokio::select! {
+                            waited = resume.credit.or_quiet(inbound.next_frame()) => match waited {
+                                Waited::Arrived(frame) => frame,
+                                // The node may drop what it kept for replay.
+                                Waited::Quiet(credit) => {
+                                    let _ = outbound.send(credit.frame(connect_id)).await;
+                                    continue;
+                                }
+                            },
+                            // The client resumed on a new stream before this
+                            // one failed here (a silent link, or a node agent
+                            // that handed the connection to its successor).
+                            // Matched in full: a pattern that left out
+                            // `Restarted` would stop this branch from being
+                            // polled again until the next packet came.
+                            Some(takeover) = resume.ticket.attachments.recv() => {
+                                if let Takeover::Resume(attachment) = takeover
+                                    && let Some(packets) = resume.attach(connect_id, *attachment)
+                                {
+                                    inbound.resumed(packets);
+                                }
+                                // `Restarted` is for a stream that waits; this
+                                // one is attached.
                                 continue;
                             }
                         },
-                        // The client resumed on a new stream before this
-                        // one failed here (a silent link, or a node agent
-                        // that handed the connection to its successor).
-                        // Matched in full: a pattern that left out
-                        // `Restarted` would stop this branch from being
-                        // polled again until the next packet came.
-                        Some(takeover) = resume.ticket.attachments.recv() => {
-                            if let Takeover::Resume(attachment) = takeover
-                                && let Some(packets) = resume.attach(connect_id, *attachment)
-                            {
-                                inbound.resumed(packets);
-                            }
-                            // `Restarted` is for a stream that waits; this
-                            // one is attached.
-                            continue;
-                        }
-                    },
-                };
-                match frame {
-                    Some(Frame::Data {
-                        connect_id: id,
-                        data,
-                        offset,
-                    }) if id == connect_id => {
-                        let len = data.len();
-                        if let Some(resume) = &resume {
-                            match resume.admit(offset, len) {
-                                Ok(Arrival::Next) => {}
-                                Ok(Arrival::Duplicate) => continue,
-                                Err(error) => {
-                                    tunnel.in_scope(
-                                        || tracing::warn!(%error, "closing resumable frontend stream"),
-                                    );
-                                    return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
+                    };
+                    match frame {
+                        Some(Frame::Data {
+                            connect_id: id,
+                            data,
+                            offset,
+                        }) if id == connect_id => {
+                            let len = data.len();
+                            if let Some(resume) = &resume {
+                                match resume.admit(offset, len) {
+                                    Ok(Arrival::Next) => {}
+                                    Ok(Arrival::Duplicate) => continue,
+                                    Err(error) => {
+                                        tunnel.in_scope(
+                                            || tracing::warn!(%error, "closing resumable frontend stream"),
+                                        );
+                                        return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
+                                    }
                                 }
                             }
+                            if sender.send(data).await.is_err() {
+                                // Gone on the agent's side: the other direction
+                                // learns how and answers the client.
+                                std::future::pending::<()>().await;
+                            }
+                            if let Some(resume) = &mut resume
+                                && let Some(credit) = resume.credit.consumed(len)
+                            {
+                                let _ = outbound.send(credit.frame(connect_id)).await;
+                            }
                         }
-                        if sender.send(data).await.is_err() {
-                            // Gone on the agent's side: the other direction
-                            // learns how and answers the client.
-                            std::future::pending::<()>().await;
+                        Some(Frame::WindowUpdate {
+                            connect_id: id,
+                            bytes,
+                            written,
+                        }) if id == connect_id && resume.is_some() => {
+                            if let Some(resume) = &resume
+                                && let Err(error) = resume.window.grant(bytes, written)
+                            {
+                                let error = error.to_string();
+                                tunnel.in_scope(|| tracing::warn!(%error, "closing resumable frontend stream"));
+                                return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
+                            }
                         }
-                        if let Some(resume) = &mut resume
-                            && let Some(credit) = resume.credit.consumed(len)
-                        {
-                            let _ = outbound.send(credit.frame(connect_id)).await;
-                        }
-                    }
-                    Some(Frame::WindowUpdate {
-                        connect_id: id,
-                        bytes,
-                        written,
-                    }) if id == connect_id && resume.is_some() => {
-                        if let Some(resume) = &resume
-                            && let Err(error) = resume.window.grant(bytes, written)
-                        {
-                            let error = error.to_string();
-                            tunnel.in_scope(|| tracing::warn!(%error, "closing resumable frontend stream"));
+                        Some(Frame::Data {
+                            connect_id: foreign, ..
+                        }) => {
+                            // A client mixing up ids could read or write someone
+                            // else's connection: end this one instead.
+                            let error =
+                                format!("DATA for connectID {foreign} on the stream of connectID {connect_id}");
+                            tunnel.in_scope(|| tracing::warn!(%error, "closing frontend stream"));
                             return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
                         }
-                    }
-                    Some(Frame::Data {
-                        connect_id: foreign, ..
-                    }) => {
-                        // A client mixing up ids could read or write someone
-                        // else's connection: end this one instead.
-                        let error =
-                            format!("DATA for connectID {foreign} on the stream of connectID {connect_id}");
-                        tunnel.in_scope(|| tracing::warn!(%error, "closing frontend stream"));
-                        return (RelayEnd::Close(Some(error)), TunnelEnd::ClientError);
-                    }
-                    Some(Frame::CloseRequest { .. }) => {
-                        return (RelayEnd::Close(None), TunnelEnd::ClientClosed);
-                    }
-                    Some(other) => tunnel.in_scope(
-                        || tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream"),
-                    ),
-                    None => {
-                        // Rare, and boxed so that the wait does not make
-                        // every tunnel's task larger.
-                        if let Some(resume) = &mut resume
-                            && let Some(packets) = Box::pin(resume.wait_for_resume(connect_id)).await
-                        {
-                            inbound.resumed(packets);
-                            continue;
+                        Some(Frame::CloseRequest { .. }) => {
+                            return (RelayEnd::Close(None), TunnelEnd::ClientClosed);
                         }
-                        return match inbound.failure.is_some() {
-                            true => (RelayEnd::ClientGone, TunnelEnd::ClientError),
-                            false => (RelayEnd::ClientGone, TunnelEnd::ClientClosed),
-                        };
-                    }
-                }
-            }
-        };
-        let to_client = async {
-            loop {
-                match receiver.recv().await {
-                    Ok(data) => {
-                        let started = Instant::now();
-                        let frame = match &window {
-                            None => Frame::Data {
-                                connect_id,
-                                data,
-                                offset: None,
-                            },
-                            // Numbered and kept until the client wrote it
-                            // out, at most a window of it.
-                            Some(window) => {
-                                if window.reserve(data.len()).await.is_err() {
-                                    return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
-                                }
-                                window.data(connect_id, data)
+                        Some(other) => tunnel.in_scope(
+                            || tracing::warn!(kind = ?other.kind(), "unexpected packet on an established stream"),
+                        ),
+                        None => {
+                            // Rare, and boxed so that the wait does not make
+                            // every tunnel's task larger.
+                            if let Some(resume) = &mut resume
+                                && let Some(packets) = Box::pin(resume.wait_for_resume(connect_id)).await
+                            {
+                                inbound.resumed(packets);
+                                continue;
                             }
-                        };
-                        if outbound.send(frame).await.is_err() {
-                            return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
+                            return match inbound.failure.is_some() {
+                                true => (RelayEnd::ClientGone, TunnelEnd::ClientError),
+                                false => (RelayEnd::ClientGone, TunnelEnd::ClientClosed),
+                            };
                         }
-                        metrics
-                            .frontend_write_duration
-                            .observe(started.elapsed().as_secs_f64());
                     }
-                    Err(end) => return (RelayEnd::Close(end.error()), end.tunnel_end()),
                 }
+            };
+            let to_client = async {
+                loop {
+                    match receiver.recv().await {
+                        Ok(data) => {
+                            let started = Instant::now();
+                            let frame = match &window {
+                                None => Frame::Data {
+                                    connect_id,
+                                    data,
+                                    offset: None,
+                                },
+                                // Numbered and kept until the client wrote it
+                                // out, at most a window of it.
+                                Some(window) => {
+                                    if window.reserve(data.len()).await.is_err() {
+                                        return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
+                                    }
+                                    window.data(connect_id, data)
+                                }
+                            };
+                            if outbound.send(frame).await.is_err() {
+                                return (RelayEnd::ClientGone, TunnelEnd::ClientClosed);
+                            }
+                            metrics
+                                .frontend_write_duration
+                                .observe(started.elapsed().as_secs_f64());
+                        }
+                        Err(end) => return (RelayEnd::Close(end.error()), end.tunnel_end()),
+                    }
+                }
+            };
+            let (end, reason) = tokio::select! {
+                end = to_agent => end,
+                end = to_client => end,
+            };
+            drop(sender);
+            life.end(reason);
+            if let RelayEnd::Close(error) = end
+                && self.close(connect_id, error.clone()).await.is_ok()
+            {
+                // Rare per connection, and boxed so that it does not make every
+                // tunnel's task larger.
+                Box::pin(self.linger(connect_id, error)).await;
             }
-        };
-        let (end, reason) = tokio::select! {
-            end = to_agent => end,
-            end = to_client => end,
-        };
-        drop(sender);
-        life.end(reason);
-        if let RelayEnd::Close(error) = end
-            && self.close(connect_id, error.clone()).await.is_ok()
-        {
-            // Rare per connection, and boxed so that it does not make every
-            // tunnel's task larger.
-            Box::pin(self.linger(connect_id, error)).await;
         }
     }
 
