@@ -250,6 +250,8 @@ struct Fleets {
 struct FleetStats {
     tunnels_up: usize,
     bulk_up: usize,
+    /// Asked for and not answered yet (see `watch::WatchStats::asking`).
+    bulk_asking: usize,
     bulk_broken: u64,
     bulk: Vec<u32>,
     probe_node: Vec<u32>,
@@ -280,6 +282,7 @@ impl Fleets {
         for answer in self.ask("stats").await? {
             all.tunnels_up += answer["tunnels_up"].as_u64().unwrap_or(0) as usize;
             all.bulk_up += answer["bulk"]["up"].as_u64().unwrap_or(0) as usize;
+            all.bulk_asking += answer["bulk"]["asking"].as_u64().unwrap_or(0) as usize;
             all.bulk_broken += answer["bulk"]["broken"].as_u64().unwrap_or(0);
             all.bulk.extend(delays(&answer["bulk"]));
             all.probe_node.extend(delays(&answer["probe_node"]));
@@ -523,8 +526,9 @@ async fn all_back(
             && stats.bulk_up >= watches;
         Ok((!back).then(|| {
             format!(
-                "agent streams {at_servers:?} of {agents}, node tunnels answering {} of {}, watches {} of {watches}",
-                stats.tunnels_up, args.nodes, stats.bulk_up
+                "agent streams {at_servers:?} of {agents}, node tunnels answering {} of {}, watches {} of {watches} \
+                 ({} asked and not answered)",
+                stats.tunnels_up, args.nodes, stats.bulk_up, stats.bulk_asking
             )
         }))
     })

@@ -142,6 +142,7 @@ pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
 fn stats(watches: &WatchStats) -> serde_json::Value {
     json!({
         "up": watches.up.load(Ordering::Relaxed),
+        "asking": watches.asking.load(Ordering::Relaxed),
         "established": watches.established.load(Ordering::Relaxed),
         "broken": watches.broken.load(Ordering::Relaxed),
         "delays_us": watches.take_samples(),

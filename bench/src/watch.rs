@@ -100,6 +100,9 @@ async fn serve_watch(stream: TcpStream, mut intervals: Intervals) {
 pub struct WatchStats {
     /// Watches established now.
     pub up: AtomicUsize,
+    /// Watches asked for and not answered yet: a watch that stays here
+    /// hangs (its request was sent; no answer and no end came).
+    pub asking: AtomicUsize,
     /// Watches established, ever (first and again).
     pub established: AtomicU64,
     /// Watches whose connection ended.
@@ -178,12 +181,14 @@ async fn watch_once(mut stream: TcpStream, mean: Duration, stats: &WatchStats) {
     if stream.write_all(request.as_bytes()).await.is_err() {
         return;
     }
+    stats.asking.fetch_add(1, Ordering::Relaxed);
     let mut lines = BufReader::new(stream).lines();
     let mut established = false;
     while let Ok(Some(line)) = lines.next_line().await {
         let received = now_ns();
         if !established {
             established = true;
+            stats.asking.fetch_sub(1, Ordering::Relaxed);
             stats.up.fetch_add(1, Ordering::Relaxed);
             stats.established.fetch_add(1, Ordering::Relaxed);
             continue;
@@ -195,6 +200,8 @@ async fn watch_once(mut stream: TcpStream, mean: Duration, stats: &WatchStats) {
     if established {
         stats.up.fetch_sub(1, Ordering::Relaxed);
         stats.broken.fetch_add(1, Ordering::Relaxed);
+    } else {
+        stats.asking.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
