@@ -46,6 +46,15 @@ fn capture_addr(n: usize) -> SocketAddr {
 const PROBE_INTERVAL: Duration = Duration::from_millis(100);
 
 pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
+    // The warnings of this process's agents and node agents, in its log
+    // (fleet-N.log): without them a node in trouble could be seen only from
+    // the server's side. Warnings only: 700 nodes' info lines would be the
+    // run's largest load after a restart.
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+        .with_ansi(false)
+        .with_writer(std::io::stderr)
+        .try_init();
     let pki = ClusterPki {
         dir: args.pki.clone(),
     };
