@@ -250,8 +250,8 @@ struct Fleets {
 struct FleetStats {
     tunnels_up: usize,
     bulk_up: usize,
-    /// Asked for and not answered yet (see `watch::WatchStats::asking`).
-    bulk_asking: usize,
+    /// Asked for long ago and not answered (see `watch::WatchStats::stuck`).
+    bulk_stuck: usize,
     bulk_broken: u64,
     bulk: Vec<u32>,
     probe_node: Vec<u32>,
@@ -282,7 +282,7 @@ impl Fleets {
         for answer in self.ask("stats").await? {
             all.tunnels_up += answer["tunnels_up"].as_u64().unwrap_or(0) as usize;
             all.bulk_up += answer["bulk"]["up"].as_u64().unwrap_or(0) as usize;
-            all.bulk_asking += answer["bulk"]["asking"].as_u64().unwrap_or(0) as usize;
+            all.bulk_stuck += answer["bulk"]["stuck"].as_u64().unwrap_or(0) as usize;
             all.bulk_broken += answer["bulk"]["broken"].as_u64().unwrap_or(0);
             all.bulk.extend(delays(&answer["bulk"]));
             all.probe_node.extend(delays(&answer["probe_node"]));
@@ -527,8 +527,12 @@ async fn all_back(
         Ok((!back).then(|| {
             format!(
                 "agent streams {at_servers:?} of {agents}, node tunnels answering {} of {}, watches {} of {watches} \
-                 ({} asked and not answered)",
-                stats.tunnels_up, args.nodes, stats.bulk_up, stats.bulk_asking
+                 ({} asked more than {} s ago and not answered)",
+                stats.tunnels_up,
+                args.nodes,
+                stats.bulk_up,
+                stats.bulk_stuck,
+                crate::watch::STUCK_AFTER.as_secs()
             )
         }))
     })
@@ -667,6 +671,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
                 format!("--event-interval-ms={}", args.event_interval_s * 1000),
                 format!("--probes={}", if first == 0 { args.probes } else { 0 }),
                 format!("--control-file={}", control.display()),
+                format!("--warnings={}", args.fleet_warnings),
             ],
         )?);
         control_files.push(control);

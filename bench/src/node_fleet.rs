@@ -47,14 +47,16 @@ const PROBE_INTERVAL: Duration = Duration::from_millis(100);
 
 pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
     // The warnings of this process's agents and node agents, in its log
-    // (fleet-N.log): without them a node in trouble could be seen only from
-    // the server's side. Warnings only: 700 nodes' info lines would be the
-    // run's largest load after a restart.
-    let _ = tracing_subscriber::fmt()
-        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
-        .with_ansi(false)
-        .with_writer(std::io::stderr)
-        .try_init();
+    // (fleet-N.log), when asked: without them a node in trouble can be
+    // seen only from the server's side. Warnings only: 700 nodes' info
+    // lines would be the run's largest load after a restart.
+    if args.warnings {
+        let _ = tracing_subscriber::fmt()
+            .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+            .with_ansi(false)
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let pki = ClusterPki {
         dir: args.pki.clone(),
     };
@@ -151,7 +153,7 @@ pub async fn run(args: NodeFleetArgs) -> anyhow::Result<()> {
 fn stats(watches: &WatchStats) -> serde_json::Value {
     json!({
         "up": watches.up.load(Ordering::Relaxed),
-        "asking": watches.asking.load(Ordering::Relaxed),
+        "stuck": watches.stuck.load(Ordering::Relaxed),
         "established": watches.established.load(Ordering::Relaxed),
         "broken": watches.broken.load(Ordering::Relaxed),
         "delays_us": watches.take_samples(),

@@ -100,9 +100,9 @@ async fn serve_watch(stream: TcpStream, mut intervals: Intervals) {
 pub struct WatchStats {
     /// Watches established now.
     pub up: AtomicUsize,
-    /// Watches asked for and not answered yet: a watch that stays here
-    /// hangs (its request was sent; no answer and no end came).
-    pub asking: AtomicUsize,
+    /// Watches asked for more than [`STUCK_AFTER`] ago and neither answered
+    /// nor ended: hangs, not clients in backoff.
+    pub stuck: AtomicUsize,
     /// Watches established, ever (first and again).
     pub established: AtomicU64,
     /// Watches whose connection ended.
@@ -181,29 +181,37 @@ async fn watch_once(mut stream: TcpStream, mean: Duration, stats: &WatchStats) {
     if stream.write_all(request.as_bytes()).await.is_err() {
         return;
     }
-    stats.asking.fetch_add(1, Ordering::Relaxed);
     let mut lines = BufReader::new(stream).lines();
-    let mut established = false;
+    // The answer (the watch's first line); counted as stuck while it is
+    // late. (`next_line` is cancel safe: nothing read is lost to the timeout.)
+    let answer = match tokio::time::timeout(STUCK_AFTER, lines.next_line()).await {
+        Ok(answer) => answer,
+        Err(_) => {
+            stats.stuck.fetch_add(1, Ordering::Relaxed);
+            let answer = lines.next_line().await;
+            stats.stuck.fetch_sub(1, Ordering::Relaxed);
+            answer
+        }
+    };
+    if !matches!(answer, Ok(Some(_))) {
+        return;
+    }
+    stats.up.fetch_add(1, Ordering::Relaxed);
+    stats.established.fetch_add(1, Ordering::Relaxed);
     while let Ok(Some(line)) = lines.next_line().await {
         let received = now_ns();
-        if !established {
-            established = true;
-            stats.asking.fetch_sub(1, Ordering::Relaxed);
-            stats.up.fetch_add(1, Ordering::Relaxed);
-            stats.established.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
         if let Some(sent) = sent_stamp(&line) {
             stats.sample(received.saturating_sub(sent));
         }
     }
-    if established {
-        stats.up.fetch_sub(1, Ordering::Relaxed);
-        stats.broken.fetch_add(1, Ordering::Relaxed);
-    } else {
-        stats.asking.fetch_sub(1, Ordering::Relaxed);
-    }
+    stats.up.fetch_sub(1, Ordering::Relaxed);
+    stats.broken.fetch_add(1, Ordering::Relaxed);
 }
+
+/// How long a watch waits for its answer before it counts as stuck: well
+/// past the node agent's 10 s bound on a dial, after which the client is
+/// reset and watches again.
+pub(crate) const STUCK_AFTER: Duration = Duration::from_secs(30);
 
 /// The stamp in an event's `"sent":"…"`.
 fn sent_stamp(line: &str) -> Option<u64> {
