@@ -596,6 +596,34 @@ pub(crate) mod testing {
         pub session: tokio::task::JoinHandle<()>,
     }
 
+    /// Agent `agent_id`'s session with resume negotiated, and the sender
+    /// that hands it streams resuming it (as the agent service does once a
+    /// token checks out).
+    pub(crate) fn resumable_session(
+        agent_id: &str,
+    ) -> (
+        RunningSession,
+        konnectivity_mux::mailbox::Sender<crate::backend::resume::Takeover>,
+    ) {
+        use crate::backend::resume::{Attachment, PeerIdentity, Resumption};
+        let identity = PeerIdentity {
+            agent_id: agent_id.to_owned(),
+            proof: "test".to_owned(),
+        };
+        let resumption = Resumption::<Attachment>::new(Duration::from_secs(60), "server-1");
+        let ticket = resumption.issue(identity.clone(), None);
+        let attach = resumption
+            .find(&[ticket.token.as_str()], &identity)
+            .unwrap()
+            .unwrap();
+        let resume = Resume {
+            ticket,
+            timeout: Duration::from_secs(60),
+        };
+        let running = running_session(agent_id, konnectivity_mux::Extensions::Resume, Some(resume));
+        (running, attach)
+    }
+
     /// Agent `agent_id`, which announced `extensions`, in a registry of its
     /// own with its session running; a session given `resume` waits for its
     /// stream to be taken over when that stream is lost.
@@ -650,28 +678,17 @@ mod tests {
     /// control-plane agents' sessions in the 5,000-node run).
     #[tokio::test]
     async fn a_resumed_session_reads_the_agents_resume_list_before_serving_dials() {
-        use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
+        use crate::backend::resume::{Attachment, Takeover};
         use futures_util::StreamExt;
-        let identity = PeerIdentity {
-            agent_id: "agent".to_owned(),
-            proof: "test".to_owned(),
-        };
-        let resumption = Resumption::<Attachment>::new(Duration::from_secs(60), "server-1");
-        let ticket = resumption.issue(identity.clone(), None);
-        let attach = resumption
-            .find(&[ticket.token.as_str()], &identity)
-            .unwrap()
-            .unwrap();
-        let resume = Resume {
-            ticket,
-            timeout: Duration::from_secs(60),
-        };
-        let testing::RunningSession {
-            backend,
-            to_agent,
-            from_agent: first_stream,
-            ..
-        } = testing::running_session("agent", konnectivity_mux::Extensions::Resume, Some(resume));
+        let (
+            testing::RunningSession {
+                backend,
+                to_agent,
+                from_agent: first_stream,
+                ..
+            },
+            attach,
+        ) = testing::resumable_session("agent");
         // The first stream is lost: its writer goes with it.
         first_stream
             .send(Err(tonic::Status::unavailable("connection reset")))
@@ -729,28 +746,17 @@ mod tests {
     /// stream, which the agent may still be on, for one nobody reads.
     #[tokio::test]
     async fn a_live_session_passes_over_a_resuming_stream_already_abandoned() {
-        use crate::backend::resume::{Attachment, PeerIdentity, Resumption, Takeover};
+        use crate::backend::resume::{Attachment, Takeover};
         use futures_util::StreamExt;
-        let identity = PeerIdentity {
-            agent_id: "agent".to_owned(),
-            proof: "test".to_owned(),
-        };
-        let resumption = Resumption::<Attachment>::new(Duration::from_secs(60), "server-1");
-        let ticket = resumption.issue(identity.clone(), None);
-        let attach = resumption
-            .find(&[ticket.token.as_str()], &identity)
-            .unwrap()
-            .unwrap();
-        let resume = Resume {
-            ticket,
-            timeout: Duration::from_secs(60),
-        };
-        let testing::RunningSession {
-            backend,
-            mut to_agent,
-            from_agent: _live,
-            ..
-        } = testing::running_session("agent", konnectivity_mux::Extensions::Resume, Some(resume));
+        let (
+            testing::RunningSession {
+                backend,
+                mut to_agent,
+                from_agent: _live,
+                ..
+            },
+            attach,
+        ) = testing::resumable_session("agent");
         let (_agent, inbound) = mpsc::channel::<Result<Packet, tonic::Status>>(4);
         let (writer, answer) = tokio::sync::oneshot::channel();
         drop(answer);
