@@ -361,20 +361,11 @@ async fn open_by_hand(
     Ok((stream, answer))
 }
 
-/// A resume is refused, with the reason, for a malformed, unknown or forged
-/// token, a missing byte count, a count beyond what the server sent and
-/// another node's certificate; none
-/// of it disturbs the stream. The right token and count take the stream
-/// over (the old one still open, as after a silent link) and the bytes go on
-/// where they stopped.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent() {
-    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
-
-    let setup = setup().await;
-    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
-    let address = setup.allowed.addr.to_string();
-    let (mut stream, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
+/// A resumable stream to `address` opened by hand, as the node agent dials,
+/// and the token the server gave it.
+async fn open_resumable(tunnel: &Tunnel, address: &str) -> (HandStream, String) {
+    use konnectivity_proto::metadata::{RESUME, RESUME_TOKEN};
+    let (stream, answer) = open_by_hand(tunnel, vec![(RESUME, header("1"))], Some(address))
         .await
         .unwrap();
     let token = answer
@@ -383,6 +374,23 @@ async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent(
         .to_str()
         .unwrap()
         .to_owned();
+    (stream, token)
+}
+
+/// A resume is refused, with the reason, for a malformed, unknown or forged
+/// token, a missing byte count, a count beyond what the server sent and
+/// another node's certificate; none
+/// of it disturbs the stream. The right token and count take the stream
+/// over (the old one still open, as after a silent link) and the bytes go on
+/// where they stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent() {
+    use konnectivity_proto::metadata::{RESUME_RECEIVED, RESUME_TOKEN};
+
+    let setup = setup().await;
+    let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
+    let address = setup.allowed.addr.to_string();
+    let (mut stream, token) = open_resumable(&tunnel, &address).await;
     stream.send(&targets::header(b'E', 0, 0)).await;
     stream.send(b"before").await;
     assert_eq!(stream.receive(6).await, b"before");
@@ -485,15 +493,12 @@ async fn a_node_tunnel_stream_resumes_only_with_its_token_and_positions_it_sent(
 /// whenever the node had acknowledged more since.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_superseded_by_an_attempt_nobody_reads_ends_and_the_node_resumes_again() {
-    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+    use konnectivity_proto::metadata::{RESUME_RECEIVED, RESUME_TOKEN};
 
     let setup = setup().await;
     let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
     let address = setup.allowed.addr.to_string();
-    let (mut live, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
-        .await
-        .unwrap();
-    let token = answer.get(RESUME_TOKEN).unwrap().to_str().unwrap().to_owned();
+    let (mut live, token) = open_resumable(&tunnel, &address).await;
     live.send(&targets::header(b'E', 0, 0)).await;
     live.send(b"before").await;
     assert_eq!(live.receive(6).await, b"before");
@@ -541,15 +546,12 @@ async fn a_stream_superseded_by_an_attempt_nobody_reads_ends_and_the_node_resume
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_bytes_and_close_of_a_connection_reach_a_stream_that_resumes_it() {
     use konnectivity_proto::Frame;
-    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+    use konnectivity_proto::metadata::{RESUME_RECEIVED, RESUME_TOKEN};
 
     let setup = setup().await;
     let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
     let address = setup.allowed.addr.to_string();
-    let (mut lost, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
-        .await
-        .unwrap();
-    let token = answer.get(RESUME_TOKEN).unwrap().to_str().unwrap().to_owned();
+    let (mut lost, token) = open_resumable(&tunnel, &address).await;
     // 1000 bytes, then a command the target does not know: it closes.
     lost.send(&targets::header(b'G', 1000, 3)).await;
     lost.send(&targets::header(b'X', 0, 0)).await;
@@ -592,16 +594,13 @@ async fn the_last_bytes_and_close_of_a_connection_reach_a_stream_that_resumes_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_drops_its_stream_after_the_close_ends_the_session() {
     use konnectivity_proto::Frame;
-    use konnectivity_proto::metadata::{RESUME, RESUME_RECEIVED, RESUME_TOKEN};
+    use konnectivity_proto::metadata::{RESUME_RECEIVED, RESUME_TOKEN};
 
     let setup = setup().await;
     let tunnel = setup.node_tunnel(&setup.pki.node_client).await;
     let address = setup.allowed.addr.to_string();
     for round in 0..20 {
-        let (mut stream, answer) = open_by_hand(&tunnel, vec![(RESUME, header("1"))], Some(&address))
-            .await
-            .unwrap();
-        let token = answer.get(RESUME_TOKEN).unwrap().to_str().unwrap().to_owned();
+        let (mut stream, token) = open_resumable(&tunnel, &address).await;
         stream.send(&targets::header(b'X', 0, 0)).await;
         let close = tokio::time::timeout(Duration::from_secs(10), stream.inbound.message())
             .await
