@@ -1,10 +1,16 @@
 //! The set of connected agent streams. Touched on connect, disconnect and
 //! dial; never on the data path.
+//!
+//! Control-plane agents and egress agents are kept in separate lists: a
+//! dial of either class looks only at the agents that can serve it. At
+//! 5,000 nodes a node dial then picks among the few control-plane agents,
+//! instead of scanning every node's agent stream twice (it did, and that
+//! was 4% of the server's CPU while 50,000 watches opened).
 
 use std::sync::{Arc, RwLock};
 
 use super::strategy::{self, Strategy};
-use super::{Backend, BackendId};
+use super::Backend;
 use crate::metrics::ServerMetrics;
 use crate::policy::FrontendClass;
 
@@ -36,47 +42,78 @@ impl std::fmt::Display for Readiness {
 }
 
 pub struct Registry {
-    backends: RwLock<Vec<Arc<Backend>>>,
+    backends: RwLock<Backends>,
     strategies: Vec<Strategy>,
     metrics: Arc<ServerMetrics>,
+}
+
+/// The agent streams connected now, by what they serve. A stream's class
+/// never changes, and all streams of one agent share it (it follows from
+/// the agent's id, `--control-plane-agent-ids`).
+#[derive(Default)]
+struct Backends {
+    /// Serve kube-apiserver's dials, by the configured strategies.
+    egress: Vec<Arc<Backend>>,
+    /// Serve node dials only.
+    control_plane: Vec<Arc<Backend>>,
+}
+
+impl Backends {
+    fn of_class(&mut self, control_plane: bool) -> &mut Vec<Arc<Backend>> {
+        if control_plane {
+            &mut self.control_plane
+        } else {
+            &mut self.egress
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.egress.len() + self.control_plane.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &Arc<Backend>> {
+        self.egress.iter().chain(&self.control_plane)
+    }
 }
 
 impl Registry {
     pub fn new(strategies: Vec<Strategy>, metrics: Arc<ServerMetrics>) -> Self {
         let registry = Registry {
-            backends: RwLock::new(Vec::new()),
+            backends: RwLock::new(Backends::default()),
             strategies,
             metrics,
         };
         // Every configured strategy shows up at 0 before the first agent.
-        registry.publish(&[]);
+        registry.publish(&Backends::default());
         registry
     }
 
     pub fn add(&self, backend: Arc<Backend>) {
         let mut backends = self.backends.write().expect("registry lock poisoned");
-        let agent_id = backend.agent_id.clone();
-        backends.push(backend);
-        strategy::mark_oldest(&backends, &agent_id);
+        let class = backends.of_class(backend.control_plane);
+        class.push(backend.clone());
+        strategy::mark_oldest(class, &backend.agent_id);
         self.publish(&backends);
     }
 
-    pub fn remove(&self, id: BackendId) {
+    /// Forgets the stream `backend` was added as (if it still is here).
+    pub fn remove(&self, backend: &Backend) {
         let mut backends = self.backends.write().expect("registry lock poisoned");
-        let Some(index) = backends.iter().position(|b| b.id == id) else {
+        let class = backends.of_class(backend.control_plane);
+        let Some(index) = class.iter().position(|b| b.id == backend.id) else {
             return;
         };
-        let removed = backends.remove(index);
-        strategy::mark_oldest(&backends, &removed.agent_id);
+        class.remove(index);
+        strategy::mark_oldest(class, &backend.agent_id);
         self.publish(&backends);
     }
 
     /// `backend`'s agent drains it (DRAIN): it is chosen only when every
     /// agent drains, and another stream of the same agent may now be.
     pub fn draining(&self, backend: &Backend) {
-        let backends = self.backends.write().expect("registry lock poisoned");
+        let mut backends = self.backends.write().expect("registry lock poisoned");
         backend.set_draining();
-        strategy::mark_oldest(&backends, &backend.agent_id);
+        strategy::mark_oldest(backends.of_class(backend.control_plane), &backend.agent_id);
     }
 
     /// The server is stopping: every agent stream is ended cleanly, so the
@@ -97,7 +134,12 @@ impl Registry {
 
     /// Every agent stream connected now.
     pub(crate) fn snapshot(&self) -> Vec<Arc<Backend>> {
-        self.backends.read().expect("registry lock poisoned").clone()
+        self.backends
+            .read()
+            .expect("registry lock poisoned")
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// Some agents' identifiers changed: what each strategy can choose is
@@ -108,10 +150,10 @@ impl Registry {
 
     /// Whether no agent stream is connected.
     pub fn is_empty(&self) -> bool {
-        self.backends.read().expect("registry lock poisoned").is_empty()
+        self.backends.read().expect("registry lock poisoned").len() == 0
     }
 
-    fn publish(&self, backends: &[Arc<Backend>]) {
+    fn publish(&self, backends: &Backends) {
         self.metrics.ready_backend_connections.set(backends.len() as i64);
         for (strategy, count) in self.readiness_of(backends).per_strategy {
             self.metrics.set_ready_backends(strategy.name(), count);
@@ -123,20 +165,24 @@ impl Registry {
         self.readiness_of(&self.backends.read().expect("registry lock poisoned"))
     }
 
-    fn readiness_of(&self, backends: &[Arc<Backend>]) -> Readiness {
-        let egress: Vec<&Arc<Backend>> = backends.iter().filter(|b| !b.control_plane).collect();
+    /// Walks the egress agents once per strategy that looks at their
+    /// identifiers; `default` chooses any of them, so needs no walk (this
+    /// runs each time a stream comes or goes: 5,000 times at a restart).
+    fn readiness_of(&self, backends: &Backends) -> Readiness {
+        let egress = &backends.egress;
         Readiness {
             per_strategy: self
                 .strategies
                 .iter()
-                .map(|strategy| {
-                    (
-                        *strategy,
-                        egress.iter().filter(|b| strategy.can_choose(b)).count(),
-                    )
+                .map(|&strategy| {
+                    let count = match strategy {
+                        Strategy::Default => egress.len(),
+                        _ => egress.iter().filter(|b| strategy.can_choose(b)).count(),
+                    };
+                    (strategy, count)
                 })
                 .collect(),
-            control_plane: backends.len() - egress.len(),
+            control_plane: backends.control_plane.len(),
         }
     }
 
@@ -145,10 +191,82 @@ impl Registry {
     /// egress never does and follows the configured strategies.
     pub fn select(&self, host: &str, class: FrontendClass) -> Option<Arc<Backend>> {
         let backends = self.backends.read().expect("registry lock poisoned");
-        let eligible = |b: &Backend| b.control_plane == (class == FrontendClass::Node);
         match class {
-            FrontendClass::Node => strategy::select(&[Strategy::Default], &backends, eligible, host),
-            FrontendClass::Apiserver => strategy::select(&self.strategies, &backends, eligible, host),
+            FrontendClass::Node => strategy::select(&[Strategy::Default], &backends.control_plane, host),
+            FrontendClass::Apiserver => strategy::select(&self.strategies, &backends.egress, host),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Announced, BackendId};
+
+    fn stream(registry: &Registry, id: u64, agent_id: &str, control_plane: bool) -> Arc<Backend> {
+        let announced = Announced {
+            agent_id: agent_id.to_owned(),
+            control_plane,
+            ..Announced::default()
+        };
+        let metrics = Arc::new(ServerMetrics::default());
+        let backend = Backend::open(BackendId(id), announced, metrics).0;
+        registry.add(backend.clone());
+        backend
+    }
+
+    fn registry() -> Registry {
+        Registry::new(vec![Strategy::Default], Arc::new(ServerMetrics::default()))
+    }
+
+    /// Node dials reach control-plane agents only, and kube-apiserver's
+    /// dials never do, whichever list a stream was added to first.
+    #[test]
+    fn each_class_of_dial_is_served_by_its_own_agents_only() {
+        let registry = registry();
+        assert_eq!(registry.select("x", FrontendClass::Node).map(|b| b.id), None);
+        let egress = stream(&registry, 1, "node-a", false);
+        assert_eq!(registry.select("x", FrontendClass::Node).map(|b| b.id), None);
+        let control_plane = stream(&registry, 2, "cp", true);
+        for _ in 0..20 {
+            assert_eq!(
+                registry.select("x", FrontendClass::Node).unwrap().id,
+                control_plane.id
+            );
+            assert_eq!(
+                registry.select("x", FrontendClass::Apiserver).unwrap().id,
+                egress.id
+            );
+        }
+        assert_eq!(
+            registry.readiness(),
+            Readiness {
+                per_strategy: vec![(Strategy::Default, 1)],
+                control_plane: 1,
+            }
+        );
+        registry.remove(&egress);
+        assert_eq!(registry.select("x", FrontendClass::Apiserver).map(|b| b.id), None);
+        assert_eq!(
+            registry.select("x", FrontendClass::Node).unwrap().id,
+            control_plane.id
+        );
+        registry.remove(&control_plane);
+        assert!(registry.is_empty());
+    }
+
+    /// An agent's younger stream is not chosen while its oldest serves, and
+    /// takes over once the oldest is removed, in the control-plane list too.
+    #[test]
+    fn a_control_plane_agents_younger_stream_serves_once_the_oldest_is_gone() {
+        let registry = registry();
+        let oldest = stream(&registry, 3, "cp", true);
+        let younger = stream(&registry, 9, "cp", true);
+        for _ in 0..20 {
+            assert_eq!(registry.select("x", FrontendClass::Node).unwrap().id, oldest.id);
+        }
+        registry.remove(&oldest);
+        assert_eq!(registry.select("x", FrontendClass::Node).unwrap().id, younger.id);
+        assert_eq!(registry.snapshot().len(), 1);
     }
 }

@@ -122,7 +122,7 @@ pub async fn run<S>(
             break reason;
         }
         let lost_at = Instant::now();
-        registry.remove(backend.id);
+        registry.remove(&backend);
         backend.outbound.detach();
         // Let go of the lost stream now, not when the next one comes.
         drop(std::mem::replace(
@@ -164,7 +164,7 @@ pub async fn run<S>(
         registry.add(backend.clone());
     };
     tracing::info!(agent_id = %backend.agent_id, %reason, "agent stream ended");
-    registry.remove(backend.id);
+    registry.remove(&backend);
     backend.outbound.close();
     // Dials queued after the last loop turn fail too: dropping their event
     // senders tells the frontends the agent is gone.

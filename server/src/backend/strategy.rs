@@ -94,20 +94,15 @@ pub(crate) fn mark_oldest(backends: &[Arc<Backend>], agent_id: &str) {
     }
 }
 
-/// Picks a backend for a dial to `host` among those `eligible` allows:
+/// Picks a backend for a dial to `host` among `backends`:
 /// within the first strategy that has candidates, a random one that is not
 /// draining, or a draining one when all candidates drain (so a draining
 /// fleet still serves). Counts, then walks to the chosen one: no allocation
 /// or hashing per dial, whatever the number of agents.
-pub(crate) fn select(
-    strategies: &[Strategy],
-    backends: &[Arc<Backend>],
-    eligible: impl Fn(&Backend) -> bool,
-    host: &str,
-) -> Option<Arc<Backend>> {
+pub(crate) fn select(strategies: &[Strategy], backends: &[Arc<Backend>], host: &str) -> Option<Arc<Backend>> {
     let mut rng = rand::rng();
     for strategy in strategies {
-        let candidate = |b: &&Arc<Backend>| !b.is_younger_stream() && eligible(b) && strategy.admits(b, host);
+        let candidate = |b: &&Arc<Backend>| !b.is_younger_stream() && strategy.admits(b, host);
         let serving = |b: &&Arc<Backend>| candidate(b) && !b.is_draining();
         let count = backends.iter().filter(serving).count();
         let chosen = if count > 0 {
@@ -161,11 +156,11 @@ mod tests {
         let backends = [backend(1, "ipv4=10.0.0.4"), backend(2, "ipv4=10.0.0.5")];
         let strategies = [Strategy::DestHost, Strategy::Default];
         for _ in 0..20 {
-            let chosen = select(&strategies, &backends, any, "10.0.0.5").unwrap();
+            let chosen = select(&strategies, &backends, "10.0.0.5").unwrap();
             assert_eq!(chosen.id, BackendId(2));
         }
-        assert!(select(&strategies, &backends, any, "10.9.9.9").is_some());
-        assert!(select(&[Strategy::DestHost], &backends, any, "10.9.9.9").is_none());
+        assert!(select(&strategies, &backends, "10.9.9.9").is_some());
+        assert!(select(&[Strategy::DestHost], &backends, "10.9.9.9").is_none());
     }
 
     #[test]
@@ -180,16 +175,13 @@ mod tests {
         mark_oldest(&backends, "b");
         let mut chosen = std::collections::BTreeSet::new();
         for _ in 0..100 {
-            chosen.insert(select(&[Strategy::Default], &backends, any, "x").unwrap().id.0);
+            chosen.insert(select(&[Strategy::Default], &backends, "x").unwrap().id.0);
         }
         assert_eq!(chosen, [3, 5].into());
         // The oldest gone, the next oldest serves.
         let rest = [backends[0].clone(), backends[2].clone()];
         mark_oldest(&rest, "a");
-        assert_eq!(
-            select(&[Strategy::Default], &rest, any, "x").unwrap().id,
-            BackendId(7)
-        );
+        assert_eq!(select(&[Strategy::Default], &rest, "x").unwrap().id, BackendId(7));
     }
 
     /// An agent replaced on its node keeps its id: once the old stream
@@ -200,33 +192,29 @@ mod tests {
         let backends = [stream_of("a", 3, ""), stream_of("a", 8, "")];
         mark_oldest(&backends, "a");
         assert_eq!(
-            select(&[Strategy::Default], &backends, any, "x").unwrap().id,
+            select(&[Strategy::Default], &backends, "x").unwrap().id,
             BackendId(3)
         );
         backends[0].set_draining();
         mark_oldest(&backends, "a");
         for _ in 0..20 {
             assert_eq!(
-                select(&[Strategy::Default], &backends, any, "x").unwrap().id,
+                select(&[Strategy::Default], &backends, "x").unwrap().id,
                 BackendId(8)
             );
         }
         backends[1].set_draining();
         mark_oldest(&backends, "a");
         assert_eq!(
-            select(&[Strategy::Default], &backends, any, "x").unwrap().id,
+            select(&[Strategy::Default], &backends, "x").unwrap().id,
             BackendId(3)
         );
-    }
-
-    fn any(_: &Backend) -> bool {
-        true
     }
 
     #[test]
     fn default_route_needs_the_identifier() {
         let backends = [backend(1, ""), backend(2, "default-route=true")];
-        let chosen = select(&[Strategy::DefaultRoute], &backends, any, "x").unwrap();
+        let chosen = select(&[Strategy::DefaultRoute], &backends, "x").unwrap();
         assert_eq!(chosen.id, BackendId(2));
     }
 
@@ -236,16 +224,16 @@ mod tests {
         backends[0].set_draining();
         for _ in 0..20 {
             assert_eq!(
-                select(&[Strategy::Default], &backends, any, "x").unwrap().id,
+                select(&[Strategy::Default], &backends, "x").unwrap().id,
                 BackendId(2)
             );
         }
         backends[1].set_draining();
-        assert!(select(&[Strategy::Default], &backends, any, "x").is_some());
+        assert!(select(&[Strategy::Default], &backends, "x").is_some());
     }
 
     #[test]
     fn no_backends_selects_nothing() {
-        assert!(select(&[Strategy::Default], &[], any, "x").is_none());
+        assert!(select(&[Strategy::Default], &[], "x").is_none());
     }
 }
