@@ -9,8 +9,8 @@
 
 use std::sync::{Arc, RwLock};
 
-use super::strategy::{self, Strategy};
 use super::Backend;
+use super::strategy::{self, Strategy};
 use crate::metrics::ServerMetrics;
 use crate::policy::FrontendClass;
 
