@@ -208,6 +208,9 @@ pub(crate) async fn serve(
                 };
                 if held.contains_key(&stream.server_id) {
                     tracing::debug!(server_id = %stream.server_id, "already connected to this server; closing the duplicate");
+                    drop(stream);
+                    tokio::time::sleep(wait_after(Dialed::Duplicate, &mut backoff)).await;
+                    continue;
                 } else {
                     tracing::info!(
                         server_id = %stream.server_id,
@@ -244,8 +247,31 @@ pub(crate) async fn serve(
             }
             Err(error) => log_connect_failure(&target, &error),
         }
-        tokio::time::sleep(backoff.next_delay()).await;
+        tokio::time::sleep(wait_after(Dialed::Failed, &mut backoff)).await;
     }
+}
+
+/// How a dial for one more server ended, for [`wait_after`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dialed {
+    /// Reached a server already held: behind a balancer, as likely as not.
+    Duplicate,
+    /// Reached no server (or reached a new one while more are wanted: the
+    /// backoff was reset then, and this is its first step).
+    Failed,
+}
+
+/// The wait before the next dial. Reaching a server already held is no
+/// failure: the next dial comes a --sync-interval (jittered) later, as
+/// upstream's agent does, however many came before. Backing off instead
+/// left an agent behind a balancer, after a few unlucky picks, dialing
+/// every --sync-interval-cap for the server it lacked; real failures back
+/// off by half each time, up to the cap.
+fn wait_after(dialed: Dialed, backoff: &mut Backoff) -> Duration {
+    if dialed == Dialed::Duplicate {
+        backoff.reset();
+    }
+    backoff.next_delay()
 }
 
 /// Serves the sessions the previous agent handed over (docs/handover.md,
@@ -845,6 +871,23 @@ impl Drop for SessionTask {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A dial behind a balancer that reaches a server already held is tried
+    /// again a --sync-interval later, the tenth time as the first; failures
+    /// back off to the cap.
+    #[test]
+    fn only_failed_dials_back_off() {
+        let (interval, cap) = (Duration::from_secs(1), Duration::from_secs(10));
+        let mut backoff = Backoff::new(interval, cap);
+        for _ in 0..10 {
+            let wait = wait_after(Dialed::Duplicate, &mut backoff);
+            assert!(wait < interval.mul_f64(1.2), "a duplicate's wait: {wait:?}");
+        }
+        let waits: Vec<Duration> = (0..10)
+            .map(|_| wait_after(Dialed::Failed, &mut backoff))
+            .collect();
+        assert!(waits[9] >= cap, "the tenth failure's wait: {:?}", waits[9]);
+    }
 
     fn source(max: bool, leases: Option<u32>) -> ServerCountSource {
         ServerCountSource {
