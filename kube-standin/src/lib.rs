@@ -26,6 +26,9 @@
 //! Like kube-apiserver (Go's net/http), it offers HTTP/2 and HTTP/1.1 by ALPN
 //! and serves what the client picks; [`KubeApi::start_http1_only`] is one
 //! with HTTP/2 turned off. It records the protocol of every connection.
+//!
+//! The integration tests use it, and so does the scale run (`konnectivity-bench
+//! cluster --leases`), where 5,000 agents count the servers by their Leases.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;
@@ -43,7 +46,13 @@ use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinSet;
 
-use super::certs::Pki;
+/// What the stand-in serves with: a certificate valid for 127.0.0.1, and
+/// the CA file that signed it, which the kubeconfigs it writes name.
+#[derive(Clone)]
+pub struct ServingCert {
+    pub tls: Arc<rustls::ServerConfig>,
+    pub ca: PathBuf,
+}
 
 /// The token callers must present (from the kubeconfig below).
 pub const TOKEN: &str = "lease-client-secret";
@@ -154,6 +163,8 @@ struct Change {
 
 pub struct KubeApi {
     pub port: u16,
+    /// The CA file clients trust (for the kubeconfigs written).
+    ca: PathBuf,
     store: Arc<Mutex<Store>>,
     watches: Arc<Watches>,
     tls: tokio_rustls::TlsAcceptor,
@@ -169,22 +180,23 @@ impl Drop for KubeApi {
 
 impl KubeApi {
     /// A kube-apiserver offering HTTP/2 and HTTP/1.1, as the real one.
-    pub async fn start(pki: &Pki) -> KubeApi {
-        Self::start_offering(pki, &[b"h2", b"http/1.1"]).await
+    pub async fn start(cert: ServingCert) -> std::io::Result<KubeApi> {
+        Self::start_offering(cert, &[b"h2", b"http/1.1"]).await
     }
 
     /// A kube-apiserver with HTTP/2 turned off (Go's `GODEBUG=http2server=0`).
-    pub async fn start_http1_only(pki: &Pki) -> KubeApi {
-        Self::start_offering(pki, &[b"http/1.1"]).await
+    pub async fn start_http1_only(cert: ServingCert) -> std::io::Result<KubeApi> {
+        Self::start_offering(cert, &[b"http/1.1"]).await
     }
 
-    async fn start_offering(pki: &Pki, alpn: &[&[u8]]) -> KubeApi {
-        let mut tls = (*pki.server_tls(&pki.server)).clone();
+    async fn start_offering(cert: ServingCert, alpn: &[&[u8]]) -> std::io::Result<KubeApi> {
+        let mut tls = (*cert.tls).clone();
         tls.alpn_protocols = alpn.iter().map(|proto| proto.to_vec()).collect();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
         let mut api = KubeApi {
             port,
+            ca: cert.ca,
             store: Arc::new(Mutex::new(Store {
                 tokens: vec![TOKEN.to_owned(), SERVICE_ACCOUNT_TOKEN.to_owned()],
                 ..Store::default()
@@ -198,7 +210,7 @@ impl KubeApi {
             serving: None,
         };
         api.serve(listener);
-        api
+        Ok(api)
     }
 
     /// Goes away: the port refuses, open connections (watches) are cut.
@@ -267,28 +279,44 @@ impl KubeApi {
     /// proxy-server's flags to admit agents by ServiceAccount token (no client
     /// certificates), reviewed by this stand-in: the agents' ServiceAccount
     /// is [`AGENT_USER`]'s, their tokens for [`AGENT_AUDIENCE`].
-    pub fn token_auth_flags(&self, dir: &Path, pki: &Pki) -> Vec<String> {
+    pub fn token_auth_flags(&self, dir: &Path) -> Vec<String> {
         vec![
             "--cluster-ca-cert=".to_owned(),
             "--agent-namespace=kube-system".to_owned(),
             "--agent-service-account=konnectivity-agent".to_owned(),
             format!("--authentication-audience={AGENT_AUDIENCE}"),
-            format!("--kubeconfig={}", self.kubeconfig(dir, pki).display()),
+            format!("--kubeconfig={}", self.kubeconfig(dir).display()),
         ]
     }
 
     /// A kubeconfig for proxy-server or proxy-agent pointing at this stand-in.
-    pub fn kubeconfig(&self, dir: &Path, pki: &Pki) -> PathBuf {
-        token_kubeconfig(&dir.join("leases.kubeconfig"), self.port, pki, TOKEN)
+    pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
+        self.token_kubeconfig(&dir.join("leases.kubeconfig"), TOKEN)
+    }
+
+    /// Writes a kubeconfig at `path` for this stand-in, authenticating with
+    /// a bearer `token`, as kubeconfigs for ServiceAccounts and static
+    /// tokens do.
+    pub fn token_kubeconfig(&self, path: &Path, token: &str) -> PathBuf {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: standin\n\
+             clusters:\n- name: standin\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {ca}\n\
+             users:\n- name: konnectivity\n  user:\n    token: {token}\n\
+             contexts:\n- name: standin\n  context:\n    cluster: standin\n    user: konnectivity\n",
+            port = self.port,
+            ca = self.ca.display(),
+        );
+        std::fs::write(path, text).unwrap();
+        path.to_owned()
     }
 
     /// A ServiceAccount's files as the kubelet mounts them into a pod
     /// (`token`, `ca.crt`), with [`SERVICE_ACCOUNT_TOKEN`].
-    pub fn service_account(&self, dir: &Path, pki: &Pki) -> PathBuf {
+    pub fn service_account(&self, dir: &Path) -> PathBuf {
         let account = dir.join("serviceaccount");
         std::fs::create_dir_all(&account).unwrap();
         std::fs::write(account.join("token"), SERVICE_ACCOUNT_TOKEN).unwrap();
-        std::fs::copy(&pki.ca, account.join("ca.crt")).unwrap();
+        std::fs::copy(&self.ca, account.join("ca.crt")).unwrap();
         account
     }
 
@@ -414,6 +442,17 @@ impl KubeApi {
         self.store.lock().unwrap().calls.get(call).copied().unwrap_or(0)
     }
 
+    /// Every call so far, by kind ("GET watch": how many), for a run that
+    /// reports what each of its phases cost kube-apiserver.
+    pub fn all_calls(&self) -> BTreeMap<String, usize> {
+        let store = self.store.lock().unwrap();
+        store
+            .calls
+            .iter()
+            .map(|(call, count)| (call.clone(), *count))
+            .collect()
+    }
+
     /// The `labelSelector`s lists and watches were asked with, as sent.
     pub fn selectors(&self) -> BTreeSet<String> {
         self.store.lock().unwrap().selectors.clone()
@@ -459,21 +498,6 @@ impl KubeApi {
     pub fn connections(&self) -> Vec<&'static str> {
         self.store.lock().unwrap().connections.clone()
     }
-}
-
-/// Writes a kubeconfig at `path` for a stand-in kube-apiserver on
-/// 127.0.0.1:`port` (its certificate from `pki`), authenticating with a
-/// bearer `token`, as kubeconfigs for ServiceAccounts and static tokens do.
-pub fn token_kubeconfig(path: &Path, port: u16, pki: &Pki, token: &str) -> PathBuf {
-    let text = format!(
-        "apiVersion: v1\nkind: Config\ncurrent-context: standin\n\
-         clusters:\n- name: standin\n  cluster:\n    server: https://127.0.0.1:{port}\n    certificate-authority: {ca}\n\
-         users:\n- name: konnectivity\n  user:\n    token: {token}\n\
-         contexts:\n- name: standin\n  context:\n    cluster: standin\n    user: konnectivity\n",
-        ca = pki.ca.display(),
-    );
-    std::fs::write(path, text).unwrap();
-    path.to_owned()
 }
 
 fn next_version(store: &mut Store) -> u64 {

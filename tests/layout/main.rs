@@ -54,6 +54,7 @@ const LAYERS: &[&[&str]] = &[
         "konnectivity-agent",
         "konnectivity-test-client",
     ],
+    &["konnectivity-kube-standin"],
     &["konnectivity-tests", "konnectivity-bench", "konnectivity-fuzzing"],
 ];
 

@@ -148,8 +148,8 @@ fn renew_time(lease: &Value) -> String {
 async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
     let dir = TempDir::new("konn-leases");
     let pki = Pki::new(dir.path());
-    let api = KubeApi::start(&pki).await;
-    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
     let mut first = lease_server(&dir, &pki, &kubeconfig, "server-1", "4s", "1s", SERVER_LABELS).await;
     let mut second = lease_server(&dir, &pki, &kubeconfig, "server-2", "4s", "1s", SERVER_LABELS).await;
 
@@ -227,8 +227,8 @@ async fn agents_count_servers_by_their_leases_and_expired_ones_are_deleted() {
 async fn an_agent_counts_only_the_leases_its_selector_picks() {
     let dir = TempDir::new("konn-leases");
     let pki = Pki::new(dir.path());
-    let api = KubeApi::start(&pki).await;
-    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
     let app = SERVER_LABELS;
     let servers = [
         lease_server(&dir, &pki, &kubeconfig, "server-1", "30s", "10s", app).await,
@@ -289,8 +289,8 @@ async fn an_agent_counts_only_the_leases_its_selector_picks() {
 async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_that_cannot_renew() {
     let dir = TempDir::new("konn-leases");
     let pki = Pki::new(dir.path());
-    let mut api = KubeApi::start(&pki).await;
-    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let mut api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
     let servers = TwoServers::start(&dir, &pki, &kubeconfig, "8s", "1s").await;
     let [first, second] = &servers.servers;
     let agent = counting_agent(&dir, &pki, &kubeconfig, servers.balancer_port());
@@ -385,8 +385,8 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
 async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
     let dir = TempDir::new("konn-leases");
     let pki = Pki::new(dir.path());
-    let mut api = KubeApi::start(&pki).await;
-    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let mut api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
     let servers = TwoServers::start(&dir, &pki, &kubeconfig, "3s", "30s").await;
     let agent = counting_agent(&dir, &pki, &kubeconfig, servers.balancer_port());
     let agent_port = agent.health_port;
@@ -431,8 +431,8 @@ async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
 async fn an_agent_whose_watch_version_expired_lists_again() {
     let dir = TempDir::new("konn-leases");
     let pki = Pki::new(dir.path());
-    let api = KubeApi::start(&pki).await;
-    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
     let first = lease_server(&dir, &pki, &kubeconfig, "server-1", "8s", "1s", SERVER_LABELS).await;
     // The agent dials server-1 only: the count it learns comes from the
     // Leases alone.
@@ -504,12 +504,12 @@ async fn an_agent_in_a_pod_counts_leases_with_its_service_account() {
     };
     let dir = TempDir::new("konn-leases");
     let pki = Pki::new(dir.path());
-    let mut api = KubeApi::start(&pki).await;
-    let kubeconfig = api.kubeconfig(dir.path(), &pki);
+    let mut api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
+    let kubeconfig = api.kubeconfig(dir.path());
     let servers = TwoServers::start(&dir, &pki, &kubeconfig, "8s", "1s").await;
 
     let pod = PodEnvironment {
-        service_account: api.service_account(dir.path(), &pki),
+        service_account: api.service_account(dir.path()),
         kubernetes_service: std::net::SocketAddr::from(([127, 0, 0, 1], api.port)),
     };
     let agent = Agent::start_from(

@@ -47,7 +47,7 @@ fn node(name: &str, internal_ip: &str, pod_cidr: &str) -> Value {
 /// bound to them, and a server authenticating agents by token, routing by
 /// destHost only, with `extra` flags.
 async fn start(dir: &Path, pki: &Pki, extra: &[&str]) -> (KubeApi, Server) {
-    let api = KubeApi::start(pki).await;
+    let api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
     api.review_tokens(
         AGENT_AUDIENCE,
         &[
@@ -60,7 +60,7 @@ async fn start(dir: &Path, pki: &Pki, extra: &[&str]) -> (KubeApi, Server) {
     let uid_b = api.put_node(node("node-b", "127.0.0.6", "10.244.2.0/24"));
     api.bind_token_to_node(TOKEN_A, "node-a", &uid_a);
     api.bind_token_to_node(TOKEN_B, "node-b", &uid_b);
-    let mut flags = api.token_auth_flags(dir, pki);
+    let mut flags = api.token_auth_flags(dir);
     flags.push("--proxy-strategies=destHost".to_owned());
     flags.extend(extra.iter().map(|flag| (*flag).to_owned()));
     let server = Server::start(dir, pki, "http-connect", true, &flags).await;

@@ -37,10 +37,10 @@ async fn start_with(dir: &Path, pki: &Pki, extra: &[String]) -> (KubeApi, Server
         (OTHER_NS, "system:serviceaccount:default:konnectivity-agent"),
     ];
     users.extend(BURST_TOKENS.iter().map(|token| (*token, AGENT_USER)));
-    let reviewer = KubeApi::start(pki).await;
+    let reviewer = KubeApi::start(pki.kube_api_cert()).await.unwrap();
     reviewer.review_tokens(AGENT_AUDIENCE, &users);
     // No client certificates: the token is the agent's credential.
-    let mut flags = reviewer.token_auth_flags(dir, pki);
+    let mut flags = reviewer.token_auth_flags(dir);
     flags.extend_from_slice(extra);
     let server = Server::start(dir, pki, "http-connect", true, &flags).await;
     (reviewer, server)
@@ -221,11 +221,11 @@ async fn two_hundred_agents_with_tokens_of_their_own_cost_one_kube_apiserver_con
     const AGENTS: usize = 200;
     let dir = TempDir::new("konn-token");
     let pki = Pki::new(dir.path());
-    let api = KubeApi::start(&pki).await;
+    let api = KubeApi::start(pki.kube_api_cert()).await.unwrap();
     let tokens: Vec<String> = (0..AGENTS).map(|i| format!("node-{i}-agent-token")).collect();
     let users: Vec<(&str, &str)> = tokens.iter().map(|token| (token.as_str(), AGENT_USER)).collect();
     api.review_tokens(AGENT_AUDIENCE, &users);
-    let mut flags = api.token_auth_flags(dir.path(), &pki);
+    let mut flags = api.token_auth_flags(dir.path());
     flags.extend(
         [
             "--enable-lease-controller",
@@ -274,9 +274,9 @@ async fn two_hundred_agents_with_tokens_of_their_own_cost_one_kube_apiserver_con
 async fn a_kube_apiserver_without_http2_is_spoken_to_in_http1() {
     let dir = TempDir::new("konn-token");
     let pki = Pki::new(dir.path());
-    let api = KubeApi::start_http1_only(&pki).await;
+    let api = KubeApi::start_http1_only(pki.kube_api_cert()).await.unwrap();
     api.review_tokens(AGENT_AUDIENCE, &BURST_TOKENS.map(|token| (token, AGENT_USER)));
-    let flags = api.token_auth_flags(dir.path(), &pki);
+    let flags = api.token_auth_flags(dir.path());
     let server = Server::start(dir.path(), &pki, "http-connect", true, &flags).await;
     let burst = BURST_TOKENS
         .iter()

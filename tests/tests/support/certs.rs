@@ -255,6 +255,14 @@ impl Pki {
         }
     }
 
+    /// What the stand-in kube-apiserver serves with: the server certificate.
+    pub fn kube_api_cert(&self) -> super::kube_api::ServingCert {
+        super::kube_api::ServingCert {
+            tls: self.server_tls(&self.server),
+            ca: self.ca.clone(),
+        }
+    }
+
     /// A rustls server config presenting `identity` (no client certificates).
     pub fn server_tls(&self, identity: &CertFiles) -> Arc<rustls::ServerConfig> {
         let config =

@@ -15,7 +15,8 @@ pub mod grpc;
 pub mod h2_raw;
 pub mod image;
 pub mod kas;
-pub mod kube_api;
+/// The stand-in kube-apiserver, a crate of its own: the scale run uses it too.
+pub use konnectivity_kube_standin as kube_api;
 pub mod load;
 pub mod netns;
 pub mod procs;
