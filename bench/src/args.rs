@@ -30,6 +30,14 @@ pub enum Commands {
     /// Runs many nodes (egress agent + node tunnel + their clients'
     /// watches) in one process (started by `cluster`).
     NodeFleet(NodeFleetArgs),
+    /// A TCP load balancer in front of the servers (started by `cluster
+    /// --leases`).
+    Balancer {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long, value_delimiter = ',')]
+        backends: Vec<SocketAddr>,
+    },
     /// A stand-in kube-apiserver serving watches (started by `cluster`).
     KasStandin {
         #[arg(long)]
@@ -202,6 +210,17 @@ pub struct ClusterArgs {
     /// others, and what was lost; then that server is started again.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
     pub servers: u8,
+    /// An HA control plane as upstream's manifests set it up: the agents
+    /// know one address, a TCP balancer's in front of the servers
+    /// (`konnectivity-bench balancer`), and count the servers by their
+    /// Leases (--count-server-leases) to learn how many distinct servers to
+    /// find through it; the servers publish them (--enable-lease-controller)
+    /// at a stand-in kube-apiserver in this process. (An agent given every
+    /// server's address dials each and needs no count.) The node tunnels
+    /// still go to the servers' own addresses. The run then says what each
+    /// phase cost kube-apiserver in requests.
+    #[arg(long)]
+    pub leases: bool,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -242,4 +261,12 @@ pub struct NodeFleetArgs {
     /// See `ClusterArgs::fleet_warnings`.
     #[arg(long, action = clap::ArgAction::Set, default_value_t = false)]
     pub warnings: bool,
+    /// The agents count the servers by their Leases at the kube-apiserver
+    /// this kubeconfig names (see `ClusterArgs::leases`).
+    #[arg(long)]
+    pub lease_kubeconfig: Option<PathBuf>,
+    /// The agents' one server address (a balancer's), instead of
+    /// --server-hosts; the node tunnels still use --server-hosts.
+    #[arg(long)]
+    pub agent_server_host: Option<String>,
 }

@@ -26,8 +26,12 @@
 //! each, every node's tunnel one of them (picked by its agent id), and the
 //! run ends by killing one server: how long until the others serve every
 //! node, what broke, and whether kube-apiserver's dials through another
-//! server noticed; then that server starts again. The last line is for
-//! scripts:
+//! server noticed; then that server starts again.
+//!
+//! With `--leases`, the servers publish Leases at a stand-in kube-apiserver
+//! and every agent counts them, as an HA control plane without
+//! `--server-count` ([`crate::leases`]); the run says what each phase cost
+//! kube-apiserver in requests. The last line is for scripts:
 //! `scale: nodes=N captured=N kib_per_node=X kib_per_captured=X p99_added_ms=X back_after_restart_s=X reviews_per_token=X`.
 
 use std::net::SocketAddr;
@@ -40,6 +44,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::args::ClusterArgs;
+use crate::leases::LeaseApi;
 use crate::pki::ClusterPki;
 use crate::route::Route;
 use crate::stack::{self, Layout, Proc, cpu_ticks, raise_descriptor_limit, scrape_at};
@@ -68,6 +73,9 @@ fn server_hosts(servers: u8) -> Vec<String> {
     }
     (1..=servers).map(|k| format!("127.0.2.{k}")).collect()
 }
+
+/// With `--leases`, the agents' one server address: the balancer's.
+const BALANCER_HOST: &str = "127.0.2.100";
 
 /// The ports every server of the run listens on, on its own address.
 #[derive(Clone, Copy)]
@@ -99,6 +107,7 @@ impl ClusterServer {
         kas: &[SocketAddr],
         (k, host): (usize, &str),
         ports: ServerPorts,
+        leases: Option<&LeaseApi>,
     ) -> anyhow::Result<ClusterServer> {
         let (name, uds) = if args.servers == 1 {
             ("proxy-server".to_owned(), layout.work.join("kas.socket"))
@@ -115,14 +124,13 @@ impl ClusterServer {
             .map(|k| format!("cp-{k}"))
             .collect();
         let allowed: Vec<String> = kas.iter().map(SocketAddr::to_string).collect();
-        let flags = vec![
+        let mut flags = vec![
             "--mode=http-connect".to_owned(),
             format!("--uds-name={}", uds.display()),
             "--delete-existing-uds-file".to_owned(),
             "--server-port=0".to_owned(),
             format!("--agent-port={}", ports.agent),
             format!("--agent-bind-address={host}"),
-            format!("--server-count={}", args.servers),
             format!("--cluster-cert={}", server.cert.display()),
             format!("--cluster-key={}", server.key.display()),
             format!("--cluster-ca-cert={}", pki.cluster_ca().display()),
@@ -136,6 +144,11 @@ impl ClusterServer {
             format!("--admin-port={}", stack::free_port()?),
             format!("--admin-bind-address={host}"),
         ];
+        // Told how many servers there are, or counted by their Leases.
+        match leases {
+            Some(leases) => flags.extend(crate::leases::server_flags(&leases.kubeconfig)),
+            None => flags.push(format!("--server-count={}", args.servers)),
+        }
         let proc = spawn_server(layout, &name, args.server_wrapper.as_deref(), &flags)?;
         Ok(ClusterServer {
             name,
@@ -496,6 +509,33 @@ async fn kill_one(
     })
 }
 
+/// The balancer in front of the servers' agent ports, once it accepts.
+async fn start_balancer(layout: &Layout, hosts: &[String], ports: ServerPorts) -> anyhow::Result<Proc> {
+    let listen = SocketAddr::new(BALANCER_HOST.parse()?, ports.agent);
+    let backends: Vec<String> = hosts
+        .iter()
+        .map(|host| format!("{host}:{}", ports.agent))
+        .collect();
+    let balancer = stack::spawn(
+        layout,
+        "balancer",
+        &std::env::current_exe()?,
+        &[
+            "balancer".to_owned(),
+            format!("--listen={listen}"),
+            format!("--backends={}", backends.join(",")),
+        ],
+    )?;
+    until("the balancer", Duration::from_secs(20), || async {
+        Ok(TcpStream::connect(listen)
+            .await
+            .err()
+            .map(|error| error.to_string()))
+    })
+    .await?;
+    Ok(balancer)
+}
+
 /// Waits until `done` holds, polling every 100 ms, at most `limit`: how long it took.
 async fn until<F, Fut>(what: &str, limit: Duration, mut done: F) -> anyhow::Result<Duration>
 where
@@ -579,11 +619,21 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     }
     eprintln!("== certificates for {} nodes", args.nodes);
     let hosts = server_hosts(args.servers);
+    // Where the agents find the servers: each server's address, or with
+    // Leases the balancer's, which the servers' certificate names too.
+    let agent_hosts = match args.leases {
+        true => vec![BALANCER_HOST.to_owned()],
+        false => hosts.clone(),
+    };
+    let mut names = hosts.clone();
+    if args.leases {
+        names.push(BALANCER_HOST.to_owned());
+    }
     let pki = ClusterPki::make(
         &args.work.join("pki"),
         args.control_plane_agents,
         args.nodes,
-        &hosts,
+        &names,
     )?;
     let layout = Layout {
         bin_dir: args.bin_dir.clone(),
@@ -613,6 +663,15 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         .await?;
     }
 
+    let leases = match args.leases {
+        true => Some(LeaseApi::start(&pki, &args.work).await?),
+        false => None,
+    };
+    // What kube-apiserver was asked before each phase (with --leases).
+    let lease_calls = || leases.as_ref().map(LeaseApi::calls).unwrap_or_default();
+    let mut phases_asked: Vec<(&str, String)> = Vec::new();
+    let calls_before_start = lease_calls();
+
     let ports = ServerPorts {
         agent: stack::free_port()?,
         node: stack::free_port()?,
@@ -626,6 +685,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             &kas,
             (k, host),
             ports,
+            leases.as_ref(),
         )?);
     }
     for server in &servers {
@@ -638,6 +698,10 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         })
         .await?;
     }
+    let _balancer = match args.leases {
+        true => Some(start_balancer(&layout, &hosts, ports).await?),
+        false => None,
+    };
     let bare = memory(&servers).await?;
 
     eprintln!("== {} control-plane agents", args.control_plane_agents);
@@ -649,22 +713,26 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         // time the agent binds it on every address (a 5,000-node run lost a
         // control-plane agent so, and waited 300 s for its stream).
         let own = format!("127.0.3.{}", k + 1);
+        let mut flags = vec![
+            format!("--proxy-server-host={}", agent_hosts.join(",")),
+            format!("--proxy-server-port={}", ports.agent),
+            format!("--ca-cert={}", pki.cluster_ca().display()),
+            format!("--agent-cert={}", pair.cert.display()),
+            format!("--agent-key={}", pair.key.display()),
+            format!("--agent-id=cp-{k}"),
+            format!("--health-server-host={own}"),
+            format!("--health-server-port={}", stack::free_port_on(&own)?),
+            format!("--admin-bind-address={own}"),
+            format!("--admin-server-port={}", stack::free_port_on(&own)?),
+        ];
+        if let Some(leases) = &leases {
+            flags.extend(crate::leases::agent_flags(&leases.kubeconfig));
+        }
         control_plane.push(stack::spawn(
             &layout,
             &format!("cp-{k}"),
             &args.bin_dir.join("proxy-agent"),
-            &[
-                format!("--proxy-server-host={}", hosts.join(",")),
-                format!("--proxy-server-port={}", ports.agent),
-                format!("--ca-cert={}", pki.cluster_ca().display()),
-                format!("--agent-cert={}", pair.cert.display()),
-                format!("--agent-key={}", pair.key.display()),
-                format!("--agent-id=cp-{k}"),
-                format!("--health-server-host={own}"),
-                format!("--health-server-port={}", stack::free_port_on(&own)?),
-                format!("--admin-bind-address={own}"),
-                format!("--admin-server-port={}", stack::free_port_on(&own)?),
-            ],
+            &flags,
         )?);
     }
 
@@ -679,25 +747,30 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     let mut control_files = Vec::new();
     for first in (0..args.nodes).step_by(args.nodes_per_process) {
         let control = args.work.join(format!("fleet-{first}.port"));
+        let mut flags = vec![
+            "node-fleet".to_owned(),
+            format!("--first={first}"),
+            format!("--nodes={}", args.nodes_per_process.min(args.nodes - first)),
+            format!("--server-hosts={}", hosts.join(",")),
+            format!("--server-port={}", ports.agent),
+            format!("--node-frontend-port={}", ports.node),
+            format!("--pki={}", pki.dir.display()),
+            format!("--kas={}", kas_list.join(",")),
+            format!("--watches={}", args.watches_per_node),
+            format!("--event-interval-ms={}", args.event_interval_s * 1000),
+            format!("--probes={}", if first == 0 { args.probes } else { 0 }),
+            format!("--control-file={}", control.display()),
+            format!("--warnings={}", args.fleet_warnings),
+        ];
+        if let Some(leases) = &leases {
+            flags.push(format!("--lease-kubeconfig={}", leases.kubeconfig.display()));
+            flags.push(format!("--agent-server-host={}", agent_hosts.join(",")));
+        }
         fleets.procs.push(stack::spawn(
             &layout,
             &format!("fleet-{first}"),
             &std::env::current_exe()?,
-            &[
-                "node-fleet".to_owned(),
-                format!("--first={first}"),
-                format!("--nodes={}", args.nodes_per_process.min(args.nodes - first)),
-                format!("--server-hosts={}", hosts.join(",")),
-                format!("--server-port={}", ports.agent),
-                format!("--node-frontend-port={}", ports.node),
-                format!("--pki={}", pki.dir.display()),
-                format!("--kas={}", kas_list.join(",")),
-                format!("--watches={}", args.watches_per_node),
-                format!("--event-interval-ms={}", args.event_interval_s * 1000),
-                format!("--probes={}", if first == 0 { args.probes } else { 0 }),
-                format!("--control-file={}", control.display()),
-                format!("--warnings={}", args.fleet_warnings),
-            ],
+            &flags,
         )?);
         control_files.push(control);
     }
@@ -716,6 +789,11 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         .map_err(|error| stack::with_exits(error, &mut control_plane))
         .map_err(|error| stack::with_exits(error, &mut fleets.procs))?;
     let connected_in = connecting.elapsed();
+    let calls_connected = lease_calls();
+    phases_asked.push((
+        "the servers and every agent starting, until all connected",
+        crate::leases::calls_between(&calls_before_start, &calls_connected),
+    ));
     let with_nodes = memory(&servers).await?;
 
     eprintln!(
@@ -758,9 +836,19 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     eprintln!("== loaded: {watches} watches, {} dials/s", args.dials_per_second);
     let loaded = measure(&servers, &fleets, targets.echo, &args).await?;
 
+    let calls_before_kill = lease_calls();
+    phases_asked.push((
+        "the watches opening, and both measurements",
+        crate::leases::calls_between(&calls_connected, &calls_before_kill),
+    ));
     let failover = if servers.len() > 1 {
         eprintln!("== kill {}", servers[servers.len() - 1].name);
-        Some(kill_one(&mut servers, &fleets, &args, targets.echo, watches).await?)
+        let failover = kill_one(&mut servers, &fleets, &args, targets.echo, watches).await?;
+        phases_asked.push((
+            "one server killed, until the others served every node",
+            crate::leases::calls_between(&calls_before_kill, &lease_calls()),
+        ));
+        Some(failover)
     } else {
         None
     };
@@ -769,6 +857,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     // stream to it is back (the node tunnels stay where they moved).
     eprintln!("== restart");
     let broken_before = fleets.stats().await?.bulk_broken;
+    let calls_before_restart = lease_calls();
     // The restarted server counts from zero: the others' counts before.
     let resumes_before_restart = ResumeCounts::of(&servers[..servers.len() - 1]).await;
     let restarted = Instant::now();
@@ -781,6 +870,10 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         }
     };
     let broken = fleets.stats().await?.bulk_broken - broken_before;
+    phases_asked.push((
+        "a server restarted, until every node back",
+        crate::leases::calls_between(&calls_before_restart, &lease_calls()),
+    ));
     let resumes_restart = ResumeCounts::of(&servers).await.since(resumes_before_restart);
 
     let kib = |bytes: f64| bytes / 1024.0;
@@ -931,6 +1024,15 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     // control-plane ids need one, and the server takes no tokens beside a
     // cluster CA, as upstream's): a restart asks kube-apiserver nothing.
     println!("| kube-apiserver requests (TokenReviews) for a restart | 0 (certificates) |");
+    if let Some(leases) = &leases {
+        for (phase, asked) in &phases_asked {
+            println!("| kube-apiserver requests (Leases): {phase} | {asked} |");
+        }
+        println!(
+            "| server Leases at the end of the run | {} |",
+            leases.lease_names().len()
+        );
+    }
     println!("| run took | {:.0} s |", run_started.elapsed().as_secs_f64());
     let reviews_per_token = 0.0;
     println!(

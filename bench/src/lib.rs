@@ -4,8 +4,10 @@
 //! `hack/bench.sh` builds the release binaries and runs it.
 
 pub mod args;
+pub mod balancer;
 pub mod cluster;
 pub mod go_client;
+pub mod leases;
 pub mod node_fleet;
 pub mod pki;
 pub mod report;
@@ -39,6 +41,7 @@ pub fn main(cli: Cli) -> anyhow::Result<()> {
         Commands::Fleet(args) => runtime.block_on(scale::fleet(args)),
         Commands::Cluster(args) => runtime.block_on(cluster::cluster(args)),
         Commands::NodeFleet(args) => runtime.block_on(node_fleet::run(args)),
+        Commands::Balancer { listen, backends } => runtime.block_on(balancer::serve(listen, backends)),
         Commands::KasStandin { listen } => runtime.block_on(watch::serve(listen)),
         Commands::Relay { next } => runtime.block_on(route::relay(next)),
     }

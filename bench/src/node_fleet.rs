@@ -168,15 +168,24 @@ fn start_agent(
     n: usize,
 ) -> anyhow::Result<konnectivity_plumbing::lifecycle::Trigger> {
     let agent = pki.agent();
-    let flags = konnectivity_agent::config::Args::try_parse_from([
+    let mut flags = vec![
         "proxy-agent".to_owned(),
-        format!("--proxy-server-host={}", args.server_hosts.join(",")),
+        format!(
+            "--proxy-server-host={}",
+            args.agent_server_host
+                .clone()
+                .unwrap_or_else(|| args.server_hosts.join(","))
+        ),
         format!("--proxy-server-port={}", args.server_port),
         format!("--ca-cert={}", pki.cluster_ca().display()),
         format!("--agent-cert={}", agent.cert.display()),
         format!("--agent-key={}", agent.key.display()),
         format!("--agent-id=node-{n}"),
-    ])?;
+    ];
+    if let Some(kubeconfig) = &args.lease_kubeconfig {
+        flags.extend(crate::leases::agent_flags(kubeconfig));
+    }
+    let flags = konnectivity_agent::config::Args::try_parse_from(flags)?;
     let mut config = konnectivity_agent::config::Config::from_args(&flags)?;
     // Each agent's health and admin listeners on ports of the kernel's choosing.
     config.health_addr.set_port(0);
