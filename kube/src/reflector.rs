@@ -11,6 +11,7 @@
 use std::time::Duration;
 
 use http::StatusCode;
+use rand::Rng;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
@@ -19,15 +20,23 @@ use crate::client::KubeClient;
 use crate::error::KubeError;
 use crate::watch::{WatchEvent, WatchStream};
 
-/// How long kube-apiserver keeps a watch open before the follower starts
-/// the next one (client-go picks 5 to 10 minutes at random).
-pub const WATCH_TIMEOUT: Duration = Duration::from_secs(300);
-/// A watch that delivers nothing for this long (kube-apiserver ends it
-/// after [`WATCH_TIMEOUT`]) is taken for a dead connection.
-pub const WATCH_SILENCE: Duration = Duration::from_secs(WATCH_TIMEOUT.as_secs() + 30);
-/// Waits after a failed list or watch: first, and at most.
+/// The shortest time kube-apiserver is asked to keep a watch open before
+/// the follower starts the next one; each watch asks for between this and
+/// twice this, at random, as client-go's reflector does ([`watch_timeout`]).
+const WATCH_TIMEOUT_MIN: Duration = Duration::from_secs(300);
+/// A watch that delivers nothing for this long past its timeout (when
+/// kube-apiserver ends it) is taken for a dead connection.
+const SILENCE_GRACE: Duration = Duration::from_secs(30);
+/// Waits after a failed list or watch: first, and at most (each up to
+/// twice as long at random, as client-go's reflector waits).
 const RETRY_FIRST: Duration = Duration::from_millis(500);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// One watch's timeout. At random: 5,000 agents started together with one
+/// fixed timeout would all watch again at the same instant, every time.
+fn watch_timeout() -> Duration {
+    WATCH_TIMEOUT_MIN.mul_f64(1.0 + rand::rng().random::<f64>())
+}
 
 /// An object a reflector follows: it knows its resourceVersion.
 pub trait Object: DeserializeOwned {
@@ -133,6 +142,8 @@ pub struct Reflector<T> {
     /// list, and after a 410 Expired.
     version: Option<String>,
     events: Option<WatchStream>,
+    /// How long the open watch may stay silent (its timeout and a grace).
+    silence: Duration,
     /// Until when the open watch may stay silent.
     silent_until: Instant,
     /// After a failure: no call before then.
@@ -153,6 +164,7 @@ impl<T: Object> Reflector<T> {
             observe,
             version: None,
             events: None,
+            silence: WATCH_TIMEOUT_MIN + SILENCE_GRACE,
             silent_until: Instant::now(),
             retry_at: None,
             retry: RETRY_FIRST,
@@ -161,7 +173,8 @@ impl<T: Object> Reflector<T> {
     }
 
     /// The next thing learned. After an error, the next call waits a
-    /// growing pause (0.5 s doubling to 30 s) and goes on from the last
+    /// growing pause (0.5 s doubling to 30 s, each up to twice that at
+    /// random) and goes on from the last
     /// version seen.
     pub async fn next(&mut self) -> Result<Reflected<T>, ReflectError> {
         if let Some(at) = self.retry_at {
@@ -173,7 +186,7 @@ impl<T: Object> Reflector<T> {
             Ok(_) => self.retry = RETRY_FIRST,
             Err(_) => {
                 self.events = None;
-                self.retry_at = Some(Instant::now() + self.retry);
+                self.retry_at = Some(Instant::now() + self.retry.mul_f64(1.0 + rand::rng().random::<f64>()));
                 self.retry = (self.retry * 2).min(RETRY_MAX);
             }
         }
@@ -191,22 +204,24 @@ impl<T: Object> Reflector<T> {
                 return Ok(Reflected::Listed(list.items));
             };
             let Some(events) = &mut self.events else {
-                let path = self.collection.watch_path(&version, WATCH_TIMEOUT);
+                let timeout = watch_timeout();
+                let path = self.collection.watch_path(&version, timeout);
                 let events = self.timed(Call::Watch, self.client.watch(&path)).await?;
                 self.events = Some(events);
-                self.silent_until = Instant::now() + WATCH_SILENCE;
+                self.silence = timeout + SILENCE_GRACE;
+                self.silent_until = Instant::now() + self.silence;
                 return Ok(Reflected::Answered);
             };
             let event = match tokio::time::timeout_at(self.silent_until, events.next::<T>()).await {
                 Err(_) => {
                     return Err(ReflectError::Silent {
                         path: self.collection.path.clone(),
-                        silence: WATCH_SILENCE,
+                        silence: self.silence,
                     });
                 }
                 Ok(event) => event?,
             };
-            self.silent_until = Instant::now() + WATCH_SILENCE;
+            self.silent_until = Instant::now() + self.silence;
             match event {
                 // The watch's time is up: the next one goes on from here.
                 None => self.events = None,
@@ -275,6 +290,19 @@ pub(crate) fn query_escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Followers started together spread their next watches over five
+    /// minutes instead of all asking again at once.
+    #[test]
+    fn watch_timeouts_spread_from_five_to_ten_minutes() {
+        let timeouts: std::collections::BTreeSet<u64> = (0..50).map(|_| watch_timeout().as_secs()).collect();
+        assert!(
+            timeouts.len() > 30,
+            "50 watches asked for only {} timeouts",
+            timeouts.len()
+        );
+        assert!(timeouts.iter().all(|&t| (300..600).contains(&t)), "{timeouts:?}");
+    }
 
     #[test]
     fn list_and_watch_paths_carry_the_selector_only_when_there_is_one() {
