@@ -18,7 +18,9 @@
 # per 1,000 events/s, the delay added to events and dials (idle and loaded),
 # every node back after a server restart; ends with one `scale:` line.
 # With --servers 2: two servers, each on its own address, and one killed: how
-# long until the other serves every node, and what broke.
+# long until the other serves every node, and what broke. With --leases as
+# well: the agents behind a balancer count the servers by their Leases at a
+# stand-in kube-apiserver, and the run counts kube-apiserver's requests.
 #
 # bash hack/bench.sh --scale-egress [--agents N --tunnels N]: the egress-only
 # scale run (konnectivity-bench scale): 1,000 agent streams into one server,

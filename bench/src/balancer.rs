@@ -8,6 +8,11 @@
 //! step the same server each time); a backend that refuses is skipped, as
 //! a balancer's health check takes a dead server out; bytes are copied
 //! both ways.
+//!
+//! Each relayed connection holds two descriptors, and a process may hold
+//! 20,000 here: 5,000 agents with a stream to each of two servers need
+//! more. So several balancer processes listen on the one address
+//! (`SO_REUSEPORT`), and the kernel spreads the connections over them.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -18,9 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 pub async fn serve(listen: SocketAddr, backends: Vec<SocketAddr>) -> anyhow::Result<()> {
     anyhow::ensure!(!backends.is_empty(), "--backends: at least one server address");
-    let listener = TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("--listen={listen}"))?;
+    let listener = listen_shared(listen).with_context(|| format!("--listen={listen}"))?;
     let backends = Arc::new(backends);
     loop {
         let (client, _) = match listener.accept().await {
@@ -36,6 +39,17 @@ pub async fn serve(listen: SocketAddr, backends: Vec<SocketAddr>) -> anyhow::Res
         let backends = backends.clone();
         tokio::spawn(relay(client, backends, first));
     }
+}
+
+/// A listener on `addr` that other balancer processes share.
+fn listen_shared(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(4096)
 }
 
 /// `client` to the first backend from `first` on (in a circle) that accepts.

@@ -509,23 +509,39 @@ async fn kill_one(
     })
 }
 
-/// The balancer in front of the servers' agent ports, once it accepts.
-async fn start_balancer(layout: &Layout, hosts: &[String], ports: ServerPorts) -> anyhow::Result<Proc> {
+/// Descriptors a balancer process is given work for: each relayed stream
+/// holds two, and a process may hold 20,000 here; the rest is room for the
+/// dials of a storm.
+const BALANCER_DESCRIPTORS: usize = 14_000;
+
+/// The balancer processes in front of the servers' agent ports (sharing
+/// one address: [`crate::balancer`]), enough for every agent's stream to
+/// each server, once they accept.
+async fn start_balancers(
+    layout: &Layout,
+    hosts: &[String],
+    ports: ServerPorts,
+    agents: usize,
+) -> anyhow::Result<Vec<Proc>> {
     let listen = SocketAddr::new(BALANCER_HOST.parse()?, ports.agent);
     let backends: Vec<String> = hosts
         .iter()
         .map(|host| format!("{host}:{}", ports.agent))
         .collect();
-    let balancer = stack::spawn(
-        layout,
-        "balancer",
-        &std::env::current_exe()?,
-        &[
-            "balancer".to_owned(),
-            format!("--listen={listen}"),
-            format!("--backends={}", backends.join(",")),
-        ],
-    )?;
+    let processes = (2 * agents * hosts.len()).div_ceil(BALANCER_DESCRIPTORS).max(1);
+    let mut balancers = Vec::new();
+    for k in 0..processes {
+        balancers.push(stack::spawn(
+            layout,
+            &format!("balancer-{k}"),
+            &std::env::current_exe()?,
+            &[
+                "balancer".to_owned(),
+                format!("--listen={listen}"),
+                format!("--backends={}", backends.join(",")),
+            ],
+        )?);
+    }
     until("the balancer", Duration::from_secs(20), || async {
         Ok(TcpStream::connect(listen)
             .await
@@ -533,7 +549,7 @@ async fn start_balancer(layout: &Layout, hosts: &[String], ports: ServerPorts) -
             .map(|error| error.to_string()))
     })
     .await?;
-    Ok(balancer)
+    Ok(balancers)
 }
 
 /// Waits until `done` holds, polling every 100 ms, at most `limit`: how long it took.
@@ -698,9 +714,9 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         })
         .await?;
     }
-    let _balancer = match args.leases {
-        true => Some(start_balancer(&layout, &hosts, ports).await?),
-        false => None,
+    let _balancers = match args.leases {
+        true => start_balancers(&layout, &hosts, ports, args.nodes + args.control_plane_agents).await?,
+        false => Vec::new(),
     };
     let bare = memory(&servers).await?;
 
