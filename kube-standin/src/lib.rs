@@ -529,7 +529,10 @@ fn record(
 /// token whose audiences are the ones asked for.
 async fn review(request: Request<Incoming>, store: &Arc<Mutex<Store>>) -> Response<Body> {
     let arrived = Instant::now();
-    let body = request.into_body().collect().await.unwrap().to_bytes();
+    let Ok(body) = request.into_body().collect().await else {
+        return body_lost();
+    };
+    let body = body.to_bytes();
     let Ok(request) = serde_json::from_slice::<Value>(&body) else {
         return failure(StatusCode::BAD_REQUEST, "BadRequest", "not JSON".to_owned());
     };
@@ -667,20 +670,20 @@ fn query(request: &Request<Incoming>) -> HashMap<String, String> {
 }
 
 fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap();
-            out.push(u8::from_str_radix(hex, 16).unwrap());
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).unwrap()
+    percent_encoding::percent_decode_str(text)
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// The answer to a request whose body never arrived: the client reset its
+/// stream (a request it gave up on, as 5,000 agents' do when kube-apiserver
+/// is slow), so no one reads this.
+fn body_lost() -> Response<Body> {
+    failure(
+        StatusCode::BAD_REQUEST,
+        "BadRequest",
+        "the request's body did not arrive".to_owned(),
+    )
 }
 
 async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: &Watches) -> Response<Body> {
@@ -710,7 +713,10 @@ async fn handle(request: Request<Incoming>, store: &Arc<Mutex<Store>>, watches: 
     };
     let query = query(&request);
     let method = request.method().clone();
-    let body = request.into_body().collect().await.unwrap().to_bytes();
+    let Ok(body) = request.into_body().collect().await else {
+        return body_lost();
+    };
+    let body = body.to_bytes();
     let body: Value = if body.is_empty() {
         Value::Null
     } else {
@@ -976,4 +982,20 @@ fn watch(
             tokio_stream::wrappers::ReceiverStream::new(body),
         )))
         .unwrap()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A selector arrives percent-encoded; a malformed escape is taken as
+    /// written rather than ending the connection's task.
+    #[test]
+    fn query_values_are_percent_decoded_and_malformed_escapes_kept() {
+        assert_eq!(
+            percent_decode("k8s-app%3Dkonnectivity-server"),
+            "k8s-app=konnectivity-server"
+        );
+        assert_eq!(percent_decode("a%zzb%4"), "a%zzb%4");
+    }
 }
