@@ -378,9 +378,11 @@ async fn leases_and_counts_ride_out_conflicts_an_apiserver_restart_and_a_server_
 
 /// kube-apiserver away for twice the Lease duration: no server could renew,
 /// so every Lease looks expired when it is back, until each server's next
-/// renewal (held back here for 2.5 s after the return, as a server's retry
-/// backoff would). The agent, which watches again about 1.5 s after the
-/// return, keeps its count through the outage and the catching up.
+/// renewal (held back here until the agent has listed them again, as a
+/// server's retry backoff would: the agent's own retry is jittered, so
+/// waiting a fixed time for it would let it come back after the renewals
+/// and never see the stale Leases). The agent keeps its count through the
+/// outage and the catching up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
     let dir = TempDir::new("konn-leases");
@@ -399,7 +401,12 @@ async fn an_apiserver_outage_longer_than_the_leases_loses_no_server() {
         api.refuse_updates(name);
     }
     api.restart().await;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    wait_until(
+        Duration::from_secs(40),
+        "the agent listing the stale Leases",
+        || async { agent.proc.log_text().contains("kube-apiserver answers again") },
+    )
+    .await;
     let stale = renew_time(&api.lease(NAMESPACE, &names[0]).unwrap());
     for name in &names {
         api.allow_updates(name);
