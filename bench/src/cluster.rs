@@ -44,6 +44,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 use crate::args::ClusterArgs;
+use crate::cpu::{CpuSnapshot, CpuSpent, Group};
 use crate::leases::LeaseApi;
 use crate::pki::ClusterPki;
 use crate::route::Route;
@@ -542,14 +543,28 @@ async fn start_balancers(
             ],
         )?);
     }
-    until("the balancer", Duration::from_secs(20), || async {
-        Ok(TcpStream::connect(listen)
-            .await
-            .err()
-            .map(|error| error.to_string()))
-    })
-    .await?;
+    until_accepting("the balancer", listen).await?;
     Ok(balancers)
+}
+
+/// The run's processes that are not servers or fleets, for [`cpu_now`].
+struct Helpers {
+    control_plane: Vec<Proc>,
+    kas: Vec<Proc>,
+    balancers: Vec<Proc>,
+    targets: Proc,
+}
+
+/// Every group of the run's processes' CPU so far.
+fn cpu_now(servers: &[ClusterServer], fleets: &Fleets, helpers: &Helpers) -> CpuSnapshot {
+    CpuSnapshot::take(&[
+        Group::of("servers", servers.iter().map(|server| &server.proc)),
+        Group::of("node fleets", &fleets.procs),
+        Group::of("control-plane agents", &helpers.control_plane),
+        Group::of("stand-in kube-apiservers", &helpers.kas),
+        Group::of("balancers", &helpers.balancers),
+        Group::of("targets", [&helpers.targets]),
+    ])
 }
 
 /// Waits until `done` holds, polling every 100 ms, at most `limit`: how long it took.
@@ -570,8 +585,27 @@ where
     bail!("{what}: not within {limit:?} ({last})")
 }
 
+/// Waits, at most 20 s, until a process just started accepts on `addr`.
+async fn until_accepting(what: &str, addr: SocketAddr) -> anyhow::Result<Duration> {
+    until(what, Duration::from_secs(20), || async {
+        Ok(TcpStream::connect(addr)
+            .await
+            .err()
+            .map(|error| error.to_string()))
+    })
+    .await
+}
+
 /// How often [`all_back`] asks the servers while the nodes are not back.
 const SERVER_POLL: Duration = Duration::from_secs(3);
+
+/// What [`all_back`] last read from the servers, and when.
+#[derive(Default)]
+struct ServersPolled {
+    /// Each server's agent streams (`None`: its metrics did not answer).
+    agent_streams: Vec<Option<f64>>,
+    at: Option<Instant>,
+}
 
 /// Every node back: agent streams at every one of `servers` (each agent
 /// holds one to each), node tunnels answering, and (when `watches`) every
@@ -588,22 +622,25 @@ async fn all_back(
     // at one per poll, the harness itself was 2.5% of the server's CPU. The
     // servers are asked when the nodes say they are back, and otherwise
     // only every few seconds, for the progress line.
-    let at_servers = std::cell::RefCell::new((Vec::<Option<f64>>::new(), None::<Instant>));
+    let polled = std::cell::RefCell::new(ServersPolled::default());
     until("every node back", limit, || async {
         // A server counts agent streams; a node tunnel is a connection
         // whose streams come and go, so the nodes say whether theirs
         // answers its probes.
         let stats = fleets.stats().await?;
         let nodes_back = stats.tunnels_up == args.nodes && stats.bulk_up >= watches;
-        let stale = at_servers.borrow().1.is_none_or(|at: Instant| at.elapsed() >= SERVER_POLL);
+        let stale = polled.borrow().at.is_none_or(|at| at.elapsed() >= SERVER_POLL);
         if nodes_back || stale {
-            let mut scraped = Vec::new();
+            let mut agent_streams = Vec::new();
             for server in servers {
-                scraped.push(server.metric(AGENTS).await);
+                agent_streams.push(server.metric(AGENTS).await);
             }
-            *at_servers.borrow_mut() = (scraped, Some(Instant::now()));
+            *polled.borrow_mut() = ServersPolled {
+                agent_streams,
+                at: Some(Instant::now()),
+            };
         }
-        let at_servers = at_servers.borrow().0.clone();
+        let at_servers = polled.borrow().agent_streams.clone();
         let back = nodes_back && at_servers.iter().all(|at| *at == Some(agents));
         Ok((!back).then(|| {
             format!(
@@ -668,15 +705,9 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             &["kas-standin".to_owned(), format!("--listen={addr}")],
         )?);
     }
-    let (_targets_proc, targets) = stack::start_targets(&layout)?;
+    let (targets_proc, targets) = stack::start_targets(&layout)?;
     for addr in &kas {
-        until("the stand-in kube-apiserver", Duration::from_secs(20), || async {
-            Ok(TcpStream::connect(addr)
-                .await
-                .err()
-                .map(|error| error.to_string()))
-        })
-        .await?;
+        until_accepting("the stand-in kube-apiserver", *addr).await?;
     }
 
     let leases = match args.leases {
@@ -714,7 +745,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         })
         .await?;
     }
-    let _balancers = match args.leases {
+    let balancers = match args.leases {
         true => start_balancers(&layout, &hosts, ports, args.nodes + args.control_plane_agents).await?,
         false => Vec::new(),
     };
@@ -752,6 +783,13 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         )?);
     }
 
+    let mut helpers = Helpers {
+        control_plane,
+        kas: kas_procs,
+        balancers,
+        targets: targets_proc,
+    };
+
     let processes = args.nodes.div_ceil(args.nodes_per_process);
     eprintln!("== {} nodes in {processes} processes", args.nodes);
     let connecting = Instant::now();
@@ -759,6 +797,10 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         procs: Vec::new(),
         controls: Vec::new(),
     };
+    // Where the CPU went in each phase that is a storm: the server's share
+    // of it is what a control-plane machine of its own would have to do.
+    let mut cpu_phases: Vec<(&str, CpuSpent)> = Vec::new();
+    let cpu_before_start = cpu_now(&servers, &fleets, &helpers);
     let kas_list: Vec<String> = kas.iter().map(SocketAddr::to_string).collect();
     let mut control_files = Vec::new();
     for first in (0..args.nodes).step_by(args.nodes_per_process) {
@@ -802,9 +844,13 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     }
     all_back(&servers, &fleets, &args, 0, Duration::from_secs(300))
         .await
-        .map_err(|error| stack::with_exits(error, &mut control_plane))
+        .map_err(|error| stack::with_exits(error, &mut helpers.control_plane))
         .map_err(|error| stack::with_exits(error, &mut fleets.procs))?;
     let connected_in = connecting.elapsed();
+    cpu_phases.push((
+        "every node connecting (agent streams, node tunnels)",
+        cpu_now(&servers, &fleets, &helpers).since(&cpu_before_start),
+    ));
     let calls_connected = lease_calls();
     phases_asked.push((
         "the servers and every agent starting, until all connected",
@@ -833,6 +879,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
 
     eprintln!("== {watches} watches");
     let resumes_before_opening = ResumeCounts::of(&servers).await;
+    let cpu_before_opening = cpu_now(&servers, &fleets, &helpers);
     let opening = Instant::now();
     fleets.ask("open").await?;
     let opened = all_back(&servers, &fleets, &args, watches, Duration::from_secs(300)).await;
@@ -847,6 +894,10 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         }
     };
     let resumes_opening = ResumeCounts::of(&servers).await.since(resumes_before_opening);
+    cpu_phases.push((
+        "every watch opening",
+        cpu_now(&servers, &fleets, &helpers).since(&cpu_before_opening),
+    ));
     let with_watches = memory(&servers).await?;
 
     eprintln!("== loaded: {watches} watches, {} dials/s", args.dials_per_second);
@@ -859,7 +910,12 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     ));
     let failover = if servers.len() > 1 {
         eprintln!("== kill {}", servers[servers.len() - 1].name);
+        let cpu_before_kill = cpu_now(&servers, &fleets, &helpers);
         let failover = kill_one(&mut servers, &fleets, &args, targets.echo, watches).await?;
+        cpu_phases.push((
+            "one server killed, until the others served every node (and 10 s of dials)",
+            cpu_now(&servers, &fleets, &helpers).since(&cpu_before_kill),
+        ));
         phases_asked.push((
             "one server killed, until the others served every node",
             crate::leases::calls_between(&calls_before_kill, &lease_calls()),
@@ -876,6 +932,7 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
     let calls_before_restart = lease_calls();
     // The restarted server counts from zero: the others' counts before.
     let resumes_before_restart = ResumeCounts::of(&servers[..servers.len() - 1]).await;
+    let cpu_before_restart = cpu_now(&servers, &fleets, &helpers);
     let restarted = Instant::now();
     servers.last_mut().expect("a server").restart(&layout)?;
     let back_after = match all_back(&servers, &fleets, &args, watches, Duration::from_secs(300)).await {
@@ -885,6 +942,10 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             Duration::from_secs(300)
         }
     };
+    cpu_phases.push((
+        "a server restarted, until every node back",
+        cpu_now(&servers, &fleets, &helpers).since(&cpu_before_restart),
+    ));
     let broken = fleets.stats().await?.bulk_broken - broken_before;
     phases_asked.push((
         "a server restarted, until every node back",
@@ -1049,6 +1110,9 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
             leases.lease_names().len()
         );
     }
+    for (phase, spent) in &cpu_phases {
+        println!("| CPU-seconds: {phase} | {} |", spent.cells());
+    }
     println!("| run took | {:.0} s |", run_started.elapsed().as_secs_f64());
     let reviews_per_token = 0.0;
     println!(
@@ -1057,6 +1121,6 @@ pub async fn cluster(args: ClusterArgs) -> anyhow::Result<()> {
         added_loaded.p99.max(dial_added_loaded.p99),
         back_after.as_secs_f64()
     );
-    drop((control_plane, kas_procs));
+    drop(helpers);
     Ok(())
 }

@@ -6,6 +6,7 @@
 pub mod args;
 pub mod balancer;
 pub mod cluster;
+pub mod cpu;
 pub mod go_client;
 pub mod leases;
 pub mod node_fleet;

@@ -325,7 +325,12 @@ pub fn raise_descriptor_limit(needed: u64) -> anyhow::Result<u64> {
 
 /// User and system CPU time of `proc` so far, in clock ticks (1/100 s).
 pub fn cpu_ticks(proc: &Proc) -> anyhow::Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", proc.pid()))?;
+    cpu_ticks_of(proc.pid())
+}
+
+/// [`cpu_ticks`] of any process (this one's own, say).
+pub fn cpu_ticks_of(pid: u32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // After the command name in parentheses: utime and stime are the 12th
     // and 13th fields.
     let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
