@@ -22,12 +22,17 @@ pub struct Layout {
     pub work: PathBuf,
 }
 
-/// A child process, killed when dropped.
+/// A child process, killed when dropped, with its process group: the
+/// processes a wrapper starts (`--server-wrapper` running perf or heaptrack,
+/// with the server under it) end with it.
 pub struct Proc {
     child: Child,
     name: String,
     /// Where its stdout and stderr go.
     log: PathBuf,
+    /// Its exit was collected: its pid, and so the group's id, may now be
+    /// another process's.
+    reaped: bool,
 }
 
 impl Proc {
@@ -59,18 +64,36 @@ impl Proc {
         format!("{} says {:?}", self.log.display(), last.unwrap_or(""))
     }
 
-    /// SIGKILL now, as a crash would, and reap it.
+    /// SIGKILL now, as a crash would, to it and its group, and reap it.
     pub fn kill_now(&mut self) {
+        if !self.reaped {
+            // Until it is reaped its pid names this group and no other.
+            let group = nix::unistd::Pid::from_raw(self.pid() as i32);
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        self.reaped = true;
+    }
+
+    /// How it exited, if it has.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let status = self.child.try_wait().ok().flatten()?;
+        self.reaped = true;
+        Some(status)
     }
 }
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill_now();
     }
+}
+
+/// Puts the child in a process group of its own, which [`Proc::kill_now`]
+/// ends whole.
+fn own_group(command: &mut Command) -> &mut Command {
+    std::os::unix::process::CommandExt::process_group(command, 0)
 }
 
 pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]) -> anyhow::Result<Proc> {
@@ -79,7 +102,7 @@ pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]
     let mut command = Command::new(program);
     // A harness killed mid-run (a timeout, ^C) takes its processes along.
     konnectivity_plumbing::sys::die_with_parent(&mut command);
-    let child = command
+    let child = own_group(&mut command)
         .args(args)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
@@ -91,6 +114,7 @@ pub(crate) fn spawn(layout: &Layout, name: &str, program: &Path, args: &[String]
         child,
         name: name.to_owned(),
         log: log_path,
+        reaped: false,
     })
 }
 
@@ -106,7 +130,7 @@ pub fn start_targets(layout: &Layout) -> anyhow::Result<(Proc, Targets)> {
 /// one line it prints once it serves.
 fn start_helper(layout: &Layout, name: &str, args: &[String]) -> anyhow::Result<(Proc, String)> {
     let log = layout.work.join(format!("{name}.log"));
-    let mut child = Command::new(std::env::current_exe()?)
+    let mut child = own_group(&mut Command::new(std::env::current_exe()?))
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -118,6 +142,7 @@ fn start_helper(layout: &Layout, name: &str, args: &[String]) -> anyhow::Result<
         child,
         name: name.to_owned(),
         log,
+        reaped: false,
     };
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
@@ -180,7 +205,7 @@ pub(crate) fn with_exits(error: anyhow::Error, procs: &mut [Proc]) -> anyhow::Er
     let exited: Vec<String> = procs
         .iter_mut()
         .filter_map(|proc| {
-            let status = proc.child.try_wait().ok().flatten()?;
+            let status = proc.exited()?;
             Some(format!(
                 "{} exited ({status}): {}",
                 proc.name,
