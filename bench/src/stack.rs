@@ -130,7 +130,11 @@ pub fn start_targets(layout: &Layout) -> anyhow::Result<(Proc, Targets)> {
 /// one line it prints once it serves.
 fn start_helper(layout: &Layout, name: &str, args: &[String]) -> anyhow::Result<(Proc, String)> {
     let log = layout.work.join(format!("{name}.log"));
-    let mut child = own_group(&mut Command::new(std::env::current_exe()?))
+    let mut command = Command::new(std::env::current_exe()?);
+    // As `spawn`'s: a harness killed mid-run takes its helpers along (the
+    // targets outlived a SIGTERMed cluster run).
+    konnectivity_plumbing::sys::die_with_parent(&mut command);
+    let mut child = own_group(&mut command)
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
